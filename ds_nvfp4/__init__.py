@@ -1,0 +1,12 @@
+"""ds-nvfp4: NVFP4 pretraining under DeepSpeed ZeRO.
+
+Layers, each importing only the ones before it:
+``format`` (numerics) <- ``kernels`` (GEMM backends) <- ``nn`` (modules, conversion) <- ``zero``
+(DeepSpeed storage) <- ``engine`` (``initialize``); ``config`` and ``cli`` beside them.
+"""
+
+from .format import NVFP4Tensor, dequantize, hadamard, inverse_hadamard, quantize
+
+__version__ = "0.1.0"
+
+__all__ = ["NVFP4Tensor", "__version__", "dequantize", "hadamard", "inverse_hadamard", "quantize"]

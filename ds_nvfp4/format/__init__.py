@@ -1,0 +1,22 @@
+"""The NVFP4 format: pure PyTorch numerics, no DeepSpeed. The only package that knows the bit layout."""
+
+from .constants import BLOCK_SIZE, BLOCKS, E2M1_MAX, E2M1_VALUES, E4M3_MAX, RHT_SIGNS, ROUNDINGS
+from .hadamard import hadamard, inverse_hadamard, rht_matrix
+from .quantize import dequantize, quantize
+from .tensor import NVFP4Tensor
+
+__all__ = [
+    "BLOCKS",
+    "BLOCK_SIZE",
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "RHT_SIGNS",
+    "ROUNDINGS",
+    "NVFP4Tensor",
+    "dequantize",
+    "hadamard",
+    "inverse_hadamard",
+    "quantize",
+    "rht_matrix",
+]

@@ -1,0 +1,110 @@
+"""The quantize / dequantize kernels of NVFP4, written as plain tensor programs.
+
+Operation order follows TE >= 2.14 exactly (docs/format.md):
+
+    S_enc = 2688 / amax          (amax == 0 or S_enc == 0 -> 1.0; capped at FLT_MAX)
+    S_dec = 1 / S_enc
+    s_b   = e4m3(block_amax * (S_enc * (1/6)))     RNE, saturating at 448, subnormal and zero allowed
+    enc_b = min(1 / (s_b * S_dec), FLT_MAX)
+    q     = e2m1(x * enc_b)
+    x'    = e2m1(q) * (s_b * amax * (1/2688))
+
+All arithmetic is float32. Shapes use M rows and K columns (K the reduction dimension); ``nb = K/16``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import e2m1
+from ._compile import compiled
+from .constants import BLOCK_SIZE, E4M3_MAX, FLT_MAX, GLOBAL_SCALE_NUMERATOR
+
+_F32 = torch.float32
+
+
+def _c(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A float32 constant (never a Python double: the order of float32 roundings is the contract)."""
+    return torch.tensor(value, dtype=_F32, device=like.device)
+
+
+def _tiles(x: torch.Tensor, block: str) -> torch.Tensor:
+    """View a 2-D [M, K] tensor with one trailing axis per block element.
+
+    1x16 -> [M, nb, 16]; 16x16 -> [M/16, 16, nb, 16].
+    """
+    m, k = x.shape
+    if block == "1x16":
+        return x.view(m, k // BLOCK_SIZE, BLOCK_SIZE)
+    return x.view(m // BLOCK_SIZE, BLOCK_SIZE, k // BLOCK_SIZE, BLOCK_SIZE)
+
+
+@compiled
+def block_amax(x: torch.Tensor, block: str) -> torch.Tensor:
+    """max |x| per block, float32: [M, nb] for 1x16, [M/16, nb] for 16x16. NaN propagates."""
+    t = _tiles(x, block).to(_F32).abs()
+    if block == "1x16":
+        return t.amax(dim=-1)
+    return t.amax(dim=(1, 3))
+
+
+@compiled
+def scales(bamax: torch.Tensor, amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor and per-block scales from the block amaxes.
+
+    Args:
+        bamax: float32 block amaxes from :func:`block_amax`.
+        amax: float32 0-dim per-tensor amax to use instead of ``bamax.max()`` (e.g. one agreed across
+            ZeRO ranks), or None.
+    Returns:
+        ``(amax, scale, enc)``: the float32 0-dim amax stored with the tensor (NaN when the input or the
+        given amax is not finite: the poison flag), the float8_e4m3fn block scales (bamax's shape) and
+        the float32 encode multipliers ``enc_b`` (bamax's shape).
+    """
+    local = bamax.amax()
+    used = local if amax is None else amax.to(_F32).reshape(())
+    finite = torch.isfinite(local) & torch.isfinite(used)
+    used = torch.where(finite, used, _c(float("nan"), bamax))
+    s_enc = _c(GLOBAL_SCALE_NUMERATOR, bamax) / used
+    s_enc = torch.where((used == 0) | (s_enc == 0), _c(1.0, bamax), s_enc)
+    s_enc = torch.clamp(s_enc, max=FLT_MAX)
+    s_dec = _c(1.0, bamax) / s_enc
+    scale = torch.clamp(bamax * (s_enc * _c(1.0 / 6.0, bamax)), max=E4M3_MAX).to(torch.float8_e4m3fn)
+    enc = torch.clamp(_c(1.0, bamax) / (scale.to(_F32) * s_dec), max=FLT_MAX)
+    return used, scale, enc
+
+
+def _scaled(x: torch.Tensor, enc: torch.Tensor, block: str) -> torch.Tensor:
+    t = _tiles(x, block).to(_F32)
+    if block == "1x16":
+        return t * enc.unsqueeze(-1)
+    return t * enc[:, None, :, None]
+
+
+@compiled
+def encode_nearest(x: torch.Tensor, enc: torch.Tensor, block: str) -> torch.Tensor:
+    """Packed uint8 codes [M, K/2] of ``x * enc_b`` rounded to nearest-even."""
+    m, k = x.shape
+    return e2m1.pack(e2m1.encode_rne(_scaled(x, enc, block)).reshape(m, k))
+
+
+@compiled
+def encode_stochastic(x: torch.Tensor, enc: torch.Tensor, block: str, random_bytes: torch.Tensor) -> torch.Tensor:
+    """Packed uint8 codes [M, K/2] of ``x * enc_b`` rounded stochastically with ``random_bytes`` [M, K]."""
+    m, k = x.shape
+    y = _scaled(x, enc, block).reshape(m, k)
+    return e2m1.pack(e2m1.encode_stochastic(y, random_bytes))
+
+
+@compiled
+def decode(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block: str, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantize packed codes [M, K/2] with block scales and the tensor amax to ``dtype`` [M, K]."""
+    m = data.shape[0]
+    k = data.shape[1] * 2
+    factor = (scale.to(_F32) * amax) * _c(1.0 / GLOBAL_SCALE_NUMERATOR, data)
+    values = _tiles(e2m1.decode(e2m1.unpack(data)), block)
+    if block == "1x16":
+        out = values * factor.unsqueeze(-1)
+    else:
+        out = values * factor[:, None, :, None]
+    return out.reshape(m, k).to(dtype)

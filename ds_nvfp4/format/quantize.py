@@ -1,0 +1,72 @@
+"""The public quantizer: `quantize` and `dequantize`."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _kernels
+from .constants import BLOCK_SIZE, BLOCKS, ROUNDINGS
+from .tensor import NVFP4Tensor
+
+
+def _check(x: torch.Tensor, block: str, rounding: str, amax: torch.Tensor | None) -> None:
+    if block not in BLOCKS:
+        raise ValueError(f"block={block!r}: allowed values are {', '.join(map(repr, BLOCKS))}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r}: allowed values are {', '.join(map(repr, ROUNDINGS))}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"quantize takes float32 or bfloat16 tensors, got {x.dtype}")
+    shape = tuple(x.shape)
+    if x.dim() == 0 or shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"tensor of shape {shape}: the last dimension K must be a multiple of {BLOCK_SIZE}")
+    if block == "16x16" and (x.dim() != 2 or shape[0] % BLOCK_SIZE):
+        raise ValueError(f"tensor of shape {shape}: block='16x16' needs a 2-D [M, K] tensor with "
+                         f"M and K multiples of {BLOCK_SIZE}")
+    if amax is not None and (not isinstance(amax, torch.Tensor) or amax.numel() != 1
+                             or amax.dtype != torch.float32):
+        raise ValueError("amax must be a float32 tensor with one element (the per-tensor max |x|)")
+
+
+def quantize(
+    x: torch.Tensor,
+    *,
+    block: str = "1x16",
+    rounding: str = "nearest",
+    amax: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> NVFP4Tensor:
+    """Quantize ``x`` to NVFP4 with TE's two-level scaling, bit-compatible with TE >= 2.14.
+
+    Args:
+        x: float32 or bfloat16 ``[..., K]`` with ``K % 16 == 0`` (``[M, K]`` with ``M % 16 == 0`` too for
+            ``block="16x16"``). Any strides; a contiguous copy is made if needed.
+        block: ``"1x16"`` (16 consecutive elements along K share a scale) or ``"16x16"`` (a 2-D tile does).
+        rounding: ``"nearest"`` (round half to even, saturating at +-6) or ``"stochastic"`` (unbiased, 8
+            random bits per element drawn from ``generator``).
+        amax: float32 one-element tensor used as the per-tensor amax instead of ``max|x|`` (ZeRO shards
+            pass the amax agreed across ranks). It must be >= max|x| for the codes not to saturate.
+        generator: random source for stochastic rounding (default: torch's global generator).
+    Returns:
+        An :class:`NVFP4Tensor`. Non-finite input (or amax) poisons the result: its amax is NaN and it
+        dequantizes to NaN everywhere; ``result.nonfinite`` reports it without a device sync.
+    """
+    _check(x, block, rounding, amax)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    used_amax, scale, enc = _kernels.scales(_kernels.block_amax(x2, block), amax)
+    if rounding == "nearest":
+        data = _kernels.encode_nearest(x2, enc, block)
+    else:
+        random_bytes = torch.randint(0, 256, x2.shape, dtype=torch.uint8, device=x2.device, generator=generator)
+        data = _kernels.encode_stochastic(x2, enc, block, random_bytes)
+    if block == "1x16":
+        data = data.reshape(*shape[:-1], shape[-1] // 2)
+        scale = scale.reshape(*shape[:-1], shape[-1] // BLOCK_SIZE)
+    return NVFP4Tensor(data=data, scale=scale, amax=used_amax, shape=torch.Size(shape), block=block)
+
+
+def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Same as ``t.dequantize(dtype)``."""
+    return t.dequantize(dtype)
