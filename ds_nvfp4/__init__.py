@@ -5,8 +5,12 @@ Layers, each importing only the ones before it:
 (DeepSpeed storage) <- ``engine`` (``initialize``); ``config`` and ``cli`` beside them.
 """
 
+from .config import ConfigError, PrecisionConfig, load_config
 from .format import NVFP4Tensor, dequantize, hadamard, inverse_hadamard, quantize
 
 __version__ = "0.1.0"
 
-__all__ = ["NVFP4Tensor", "__version__", "dequantize", "hadamard", "inverse_hadamard", "quantize"]
+__all__ = [
+    "ConfigError", "NVFP4Tensor", "PrecisionConfig", "__version__", "dequantize", "hadamard", "inverse_hadamard",
+    "load_config", "quantize",
+]

@@ -1,0 +1,70 @@
+"""`ds-nvfp4 explain FILE`: the effective precision settings and what each implies."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..config import ConfigError, PrecisionConfig, UnreadableConfig, load_config
+
+#: storage bytes per weight element (codes + block scales; the 4-byte amax per tensor is negligible)
+BYTES_PER_PARAM = {("nvfp4", "1x16"): 0.5 + 1 / 16, ("nvfp4", "16x16"): 0.5 + 1 / 256}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("explain", help="show the effective precision settings (defaults filled in) and their effect")
+    p.add_argument("file", metavar="FILE")
+    p.set_defaults(func=run)
+
+
+def describe(ds: dict, pc: PrecisionConfig) -> list[str]:
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    lines = ["effective precision section:", *("  " + ln for ln in json.dumps(pc.model_dump(), indent=2).splitlines())]
+    if not pc.enabled:
+        return [*lines, "NVFP4 is disabled: ds_nvfp4.initialize is exactly deepspeed.initialize."]
+    fp4 = "Fprop" if pc.backward.gemm == "bf16" else "Fprop, Dgrad and Wgrad"
+    bf16_gemms = "Dgrad and Wgrad in BF16 with the same dequantized weight" if pc.backward.gemm == "bf16" else (
+        "none of the Linear GEMMs; gradients " + ("stochastically rounded" if pc.backward.stochastic_rounding
+                                                 else "rounded to nearest")
+        + (", Wgrad operands Hadamard-transformed" if pc.backward.hadamard else ""))
+    lines += [
+        "what it means:",
+        f"  FP4 GEMMs: {fp4} of the converted Linear layers; BF16: {bf16_gemms}.",
+        "  Always BF16: attention BMMs, softmax, norms, embeddings, the LM head and every excluded layer.",
+        f"  Converted layers: names matching {pc.modules.include} minus {pc.modules.exclude}"
+        + (f", minus the first {pc.modules.keep_first_blocks_bf16}" if pc.modules.keep_first_blocks_bf16 else "")
+        + (f" and last {pc.modules.keep_last_blocks_bf16}" if pc.modules.keep_last_blocks_bf16 else "")
+        + " transformer blocks" * bool(pc.modules.keep_first_blocks_bf16 or pc.modules.keep_last_blocks_bf16) + ".",
+        f"  Weights quantized with {pc.weights.block} blocks; activations 1x16 with a per-tensor dynamic amax"
+        + (", RHT on both forward operands." if pc.activations.hadamard else "."),
+    ]
+    if pc.weights.storage == "nvfp4":
+        bpp = BYTES_PER_PARAM[("nvfp4", pc.weights.block)]
+        lines.append(f"  ZeRO-3 partitions of converted weights stored packed: {bpp:.4f} bytes/param "
+                     f"({bpp / 2:.1%} of BF16's 2), re-quantized from the FP32 master after each step.")
+    else:
+        lines.append(f"  Weights stored by DeepSpeed in BF16 (2 bytes/param, ZeRO stage {stage}); FP4 GEMMs quantize "
+                     "them on the fly.")
+    lines.append(f"  All-gather: {pc.communication.all_gather}"
+                 + (" (packed bytes + scales: 0.28x the BF16 traffic, identical gathered weights)"
+                    if pc.communication.all_gather == "nvfp4" else " (dequantized just before the gather)")
+                 + f"; reduce-scatter and gradients: {pc.communication.reduce_scatter}.")
+    lines.append("  GEMM backend: " + (f"{pc.kernel} (an error at start-up if it cannot run here)" if pc.kernel
+                                       else "best available, chosen and logged at start-up (`ds-nvfp4 env` shows it)"))
+    if pc.monitor.enabled:
+        lines.append(f"  Quantization statistics every {pc.monitor.interval} steps under Train/Precision/<layer>/...")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        ds, pc = load_config(args.file)
+    except UnreadableConfig as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print("\n".join(describe(ds, pc)))
+    return 0

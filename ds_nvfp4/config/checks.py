@@ -1,0 +1,197 @@
+"""Validation of the ``precision`` section and its cross-checks with the rest of the ds_config."""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from .deepspeed_keys import DEEPSPEED_TOP_LEVEL_KEYS
+from .problems import Problem
+from .schema import AUTO_ADVICE, PrecisionConfig
+
+SECTION = "precision"
+
+
+def _json_path(loc: tuple) -> str:
+    parts = [SECTION]
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1] += f"[{item}]"
+        else:
+            parts.append(str(item))
+    return ".".join(parts)
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model class that holds the field at ``loc`` (None when loc leaves the models)."""
+    model: type[BaseModel] = PrecisionConfig
+    for name in loc[:-1]:
+        field = model.model_fields.get(str(name))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    return model
+
+
+def _allowed_values(loc: tuple) -> tuple[str, ...]:
+    model = _model_at(loc)
+    field = model.model_fields.get(str(loc[-1])) if model and loc else None
+    if field is None:
+        return ()
+    values: list[str] = []
+    ann = field.annotation
+    members = (ann,) if typing.get_origin(ann) is typing.Literal else (typing.get_args(ann) or (ann,))
+    for arg in members:
+        if typing.get_origin(arg) is typing.Literal:
+            values += [repr(v).replace("'", '"') for v in typing.get_args(arg)]
+        elif arg is type(None):
+            values.append("null")
+    return tuple(values)
+
+
+def _find_auto(value: Any, loc: tuple = ()) -> list[Problem]:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        key = str(loc[-1]) if loc else SECTION
+        default = _default_at(loc)
+        advice = AUTO_ADVICE.get(key, f"write the value explicitly (the default is {default})")
+        return [Problem(_json_path(loc), '"auto" is not allowed here: HF Accelerate raises on any "auto" it cannot '
+                                         f"fill, and this section has nothing to fill it from; {advice}",
+                        _allowed_values(loc))]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _find_auto(v, (*loc, k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _find_auto(v, (*loc, i))]
+    return []
+
+
+def _default_at(loc: tuple) -> str:
+    node: Any = PrecisionConfig().model_dump(mode="json")
+    for k in loc:
+        try:
+            node = node[k]
+        except (KeyError, IndexError, TypeError):
+            return "documented in docs/config.md"
+    import json
+
+    return json.dumps(node)
+
+
+def _pydantic_problem(err: dict) -> Problem:
+    loc = tuple(err["loc"])
+    path = _json_path(loc)
+    kind = err["type"]
+    got = err.get("input")
+    if kind == "extra_forbidden":
+        model = _model_at(loc)
+        known = sorted(model.model_fields) if model else []
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return Problem(path, f"unknown key {loc[-1]!r}{hint}", tuple(known))
+    if kind == "literal_error":
+        return Problem(path, f"{_show(got)} is not a valid value", _allowed_values(loc))
+    if kind in ("bool_type", "bool_parsing"):
+        return Problem(path, f"expected a JSON boolean, got {_show(got)}", ("true", "false"))
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return Problem(path, f"expected a JSON integer, got {_show(got)}")
+    if kind == "greater_than_equal":
+        return Problem(path, f"must be >= {err['ctx']['ge']}, got {_show(got)}")
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return Problem(path, f"expected a JSON object, got {_show(got)}")
+    if kind == "list_type":
+        return Problem(path, f"expected a JSON list of strings, got {_show(got)}")
+    if kind == "string_type":
+        return Problem(path, f"expected a JSON string, got {_show(got)}", _allowed_values(loc))
+    return Problem(path, err["msg"], _allowed_values(loc))
+
+
+def _show(value: Any) -> str:
+    import json
+
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return repr(value)
+
+
+def validate_section(section: Any) -> tuple[PrecisionConfig | None, list[Problem]]:
+    """Validate the raw ``precision`` value; returns the model (None when invalid) and the problems."""
+    if not isinstance(section, dict):
+        return None, [Problem(SECTION, f"expected a JSON object, got {_show(section)}")]
+    problems = _find_auto(section)
+    if problems:
+        return None, problems
+    try:
+        return PrecisionConfig.model_validate(section), []
+    except ValidationError as exc:
+        return None, [_pydantic_problem(e) for e in exc.errors()]
+
+
+def _get(ds: dict, dotted: str, default: Any = None) -> Any:
+    node: Any = ds
+    for k in dotted.split("."):
+        if not isinstance(node, dict) or k not in node:
+            return default
+        node = node[k]
+    return node
+
+
+def cross_check(ds: dict, pc: PrecisionConfig) -> list[Problem]:
+    """Rules between the precision section and the rest of the ds_config (only when enabled)."""
+    if not pc.enabled:
+        return []
+    out: list[Problem] = []
+    stage = _get(ds, "zero_optimization.stage", 0)
+    bf16 = _get(ds, "bf16.enabled", False) or _get(ds, "bfloat16.enabled", False)
+    if _get(ds, "fp16.enabled", False) is True:
+        out.append(Problem("precision.enabled", "NVFP4 training cannot be combined with fp16.enabled: true (it keeps "
+                                                "gradients and communication in BF16); set fp16.enabled: false and "
+                                                "bf16.enabled: true"))
+    if bf16 is not True:
+        out.append(Problem("precision.enabled", f"needs bf16.enabled: true (found {_show(_get(ds, 'bf16.enabled'))}): "
+                                                "NVFP4 training keeps weights-in-flight, gradients and communication "
+                                                "in BF16; add \"bf16\": {\"enabled\": true}"))
+    if pc.weights.storage == "nvfp4" and stage != 3:
+        out.append(Problem("precision.weights.storage",
+                           f'"nvfp4" needs zero_optimization.stage: 3 (found stage {_show(stage)}): ZeRO stages 0-2 '
+                           "keep the full BF16 model on every rank and do not partition weights, so there is nothing "
+                           'to store packed; write "storage": "bf16" (FP4 GEMMs, BF16 storage) or use stage 3',
+                           ('"bf16"',)))
+    if pc.communication.all_gather == "nvfp4" and (stage != 3 or pc.weights.storage != "nvfp4"):
+        out.append(Problem("precision.communication.all_gather",
+                           f'"nvfp4" gathers the packed partitions, so it needs zero_optimization.stage: 3 (found '
+                           f'{_show(stage)}) and precision.weights.storage: "nvfp4" (found '
+                           f'{_show(pc.weights.storage)})', ('"bf16"',)))
+    if pc.backward.gemm == "nvfp4" and pc.weights.block != "16x16":
+        out.append(Problem("precision.backward.gemm",
+                           f'"nvfp4" needs precision.weights.block: "16x16" (found {_show(pc.weights.block)}): the '
+                           "Dgrad GEMM uses the transposed weight codes, and only 16x16 tiles stay the same blocks "
+                           "when transposed, so forward and backward see one quantized weight", ('"bf16"',)))
+    cdt = _get(ds, "communication_data_type")
+    want = {"bf16": ("bf16", "bfloat16"), "fp32": ("fp32", "float32")}[pc.communication.reduce_scatter]
+    if cdt is not None and str(cdt).lower() not in want:
+        out.append(Problem("precision.communication.reduce_scatter",
+                           f"{_show(pc.communication.reduce_scatter)} disagrees with communication_data_type: "
+                           f"{_show(cdt)}; remove communication_data_type (ds_nvfp4 sets it) or make them agree"))
+    if pc.monitor.enabled and not any(_get(ds, f"{m}.enabled", False) for m in ("tensorboard", "csv_monitor",
+                                                                                   "wandb", "comet")):
+        out.append(Problem("precision.monitor.enabled", "no DeepSpeed monitor (tensorboard, csv_monitor, wandb, comet) "
+                                                        "is enabled, so the statistics are only available from Python",
+                           severity="warning"))
+    return out
+
+
+def top_level_warnings(ds: dict) -> list[Problem]:
+    """Near-misses of DeepSpeed keys or of ``precision`` (DeepSpeed ignores unknown keys silently)."""
+    known = sorted(DEEPSPEED_TOP_LEVEL_KEYS | {SECTION})
+    out = []
+    for key in ds:
+        if key in DEEPSPEED_TOP_LEVEL_KEYS or key == SECTION or key.startswith("_"):
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+        if close:
+            out.append(Problem(key, f"unknown top-level key (DeepSpeed ignores it silently); did you mean "
+                                    f"{close[0]!r}?", severity="warning"))
+    return out

@@ -1,0 +1,76 @@
+"""The ``precision`` section of a ds_config, as pydantic models in DeepSpeed's style.
+
+Importing this module needs neither DeepSpeed nor torch.distributed. Names and defaults are the contract
+documented in docs/config.md; every model forbids unknown keys, and every value is checked strictly (JSON
+``true`` for booleans, integers for counts). ``"auto"`` is rejected before these models run (see checks.py).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StrictModel(BaseModel):
+    """Like DeepSpeed's ``DeepSpeedConfigModel``: unknown keys are errors; values are not coerced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, frozen=False)
+
+
+class WeightsConfig(StrictModel):
+    storage: Literal["nvfp4", "bf16"] = Field(
+        "nvfp4", description="nvfp4: ZeRO-3 partitions of converted weights kept packed; bf16: DeepSpeed's own")
+    block: Literal["16x16", "1x16"] = Field(
+        "16x16", description="weight block layout; 16x16 is closed under transposition (needed by the FP4 backward)")
+
+
+class ActivationsConfig(StrictModel):
+    block: Literal["1x16"] = Field("1x16", description="forward input block layout (dynamic per-tensor amax)")
+    hadamard: bool = Field(False, description="RHT on both forward GEMM operands along K (activation smoothing)")
+
+
+class BackwardConfig(StrictModel):
+    gemm: Literal["bf16", "nvfp4"] = Field(
+        "bf16", description="bf16: only forward GEMMs in FP4 (the mission's recipe); nvfp4: Dgrad/Wgrad in FP4 too")
+    stochastic_rounding: bool = Field(True, description="stochastic rounding of gradients (gemm=nvfp4 only)")
+    hadamard: bool = Field(True, description="RHT of the Wgrad operands along the token dim (gemm=nvfp4 only)")
+
+
+class CommunicationConfig(StrictModel):
+    all_gather: Literal["bf16", "nvfp4"] = Field(
+        "bf16", description="bf16: dequantize then gather; nvfp4: gather packed bytes (3.5x less traffic, same bits)")
+    reduce_scatter: Literal["bf16", "fp32"] = Field("bf16", description="gradient reduce-scatter dtype")
+
+
+class ModulesConfig(StrictModel):
+    include: list[str] = Field(["*"], description="fnmatch patterns over model.named_modules() names")
+    exclude: list[str] = Field(["lm_head", "*embed*"], description="patterns kept BF16; exclude wins over include")
+    keep_first_blocks_bf16: int = Field(0, ge=0, description="leading transformer blocks kept BF16")
+    keep_last_blocks_bf16: int = Field(0, ge=0, description="trailing transformer blocks kept BF16")
+
+
+class MonitorConfig(StrictModel):
+    enabled: bool = Field(False, description="per-layer quantization statistics to DeepSpeed's monitor")
+    interval: int = Field(100, ge=1, description="steps between two statistics snapshots")
+
+
+class PrecisionConfig(StrictModel):
+    """The whole ``"precision"`` section. ``PrecisionConfig()`` gives the documented defaults."""
+
+    enabled: bool = Field(False, description="turn NVFP4 training on")
+    format: Literal["nvfp4"] = Field("nvfp4", description="the 4-bit format (only nvfp4 for now)")
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    activations: ActivationsConfig = Field(default_factory=ActivationsConfig)
+    backward: BackwardConfig = Field(default_factory=BackwardConfig)
+    communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
+    modules: ModulesConfig = Field(default_factory=ModulesConfig)
+    kernel: Literal["emulated", "torch", "transformer_engine"] | None = Field(
+        None, description="GEMM backend; null picks the best available and logs why")
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+
+
+#: What to write instead of ``"auto"``, per key (the default is the fallback suggestion).
+AUTO_ADVICE = {
+    "kernel": "write null to let ds_nvfp4 pick the best available GEMM backend (it logs its choice)",
+}

@@ -1,0 +1,219 @@
+"""Every rule of the precision section: valid and invalid configs, messages that name the key."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ds_nvfp4
+from ds_nvfp4.config import ConfigError, PrecisionConfig, check_config, load_config
+
+PRESETS = Path(__file__).resolve().parents[2] / "ds_configs"
+BASE = json.loads((PRESETS / "nvfp4_zero3.json").read_text())
+
+
+def cfg(**precision) -> dict:
+    d = copy.deepcopy(BASE)
+    d["precision"] = {"enabled": True, **precision}
+    return d
+
+
+def errors(d: dict) -> list:
+    return [p for p in check_config(d)[1] if p.severity == "error"]
+
+
+def test_defaults_are_the_contract() -> None:
+    assert PrecisionConfig().model_dump() == {
+        "enabled": False, "format": "nvfp4",
+        "weights": {"storage": "nvfp4", "block": "16x16"},
+        "activations": {"block": "1x16", "hadamard": False},
+        "backward": {"gemm": "bf16", "stochastic_rounding": True, "hadamard": True},
+        "communication": {"all_gather": "bf16", "reduce_scatter": "bf16"},
+        "modules": {"include": ["*"], "exclude": ["lm_head", "*embed*"],
+                    "keep_first_blocks_bf16": 0, "keep_last_blocks_bf16": 0},
+        "kernel": None, "monitor": {"enabled": False, "interval": 100},
+    }
+
+
+def test_absent_section_means_disabled() -> None:
+    d = copy.deepcopy(BASE)
+    d.pop("precision")
+    _, pc = load_config(d)
+    assert pc.enabled is False
+
+
+@pytest.mark.parametrize(
+    "precision, path, needle, allowed",
+    [
+        ({"format": "mxfp4"}, "precision.format", '"mxfp4"', '"nvfp4"'),
+        ({"weights": {"storage": "fp8"}}, "precision.weights.storage", '"fp8"', '"nvfp4", "bf16"'),
+        ({"weights": {"block": "32"}}, "precision.weights.block", '"32"', '"16x16", "1x16"'),
+        ({"activations": {"block": "16x16"}}, "precision.activations.block", '"16x16"', '"1x16"'),
+        ({"backward": {"gemm": "fp8"}}, "precision.backward.gemm", '"fp8"', '"bf16", "nvfp4"'),
+        ({"communication": {"all_gather": "fp8"}}, "precision.communication.all_gather", '"fp8"', '"bf16", "nvfp4"'),
+        ({"communication": {"reduce_scatter": "fp16"}}, "precision.communication.reduce_scatter", '"fp16"',
+         '"bf16", "fp32"'),
+        ({"kernel": "cutlass"}, "precision.kernel", '"cutlass"', '"emulated", "torch", "transformer_engine", null'),
+        ({"enabled": "yes"}, "precision.enabled", "boolean", "true, false"),
+        ({"modules": {"keep_first_blocks_bf16": -1}}, "precision.modules.keep_first_blocks_bf16", ">= 0", ""),
+        ({"modules": {"keep_last_blocks_bf16": 1.5}}, "precision.modules.keep_last_blocks_bf16", "integer", ""),
+        ({"modules": {"include": "blocks.*"}}, "precision.modules.include", "list", ""),
+        ({"monitor": {"interval": 0}}, "precision.monitor.interval", ">= 1", ""),
+        ({"weights": "nvfp4"}, "precision.weights", "object", ""),
+    ],
+)
+def test_bad_values_name_the_key_and_the_allowed_values(precision, path, needle, allowed) -> None:
+    probs = errors(cfg(**precision))
+    assert len(probs) == 1, probs
+    p = probs[0]
+    assert p.path == path and needle in p.message
+    assert ", ".join(p.allowed) == allowed
+
+
+@pytest.mark.parametrize(
+    "precision, path, suggestion",
+    [
+        ({"weights": {"storge": "nvfp4"}}, "precision.weights.storge", "storage"),
+        ({"backwards": {}}, "precision.backwards", "backward"),
+        ({"modules": {"keep_first_block_bf16": 1}}, "precision.modules.keep_first_block_bf16",
+         "keep_first_blocks_bf16"),
+        ({"kernal": None}, "precision.kernal", "kernel"),
+    ],
+)
+def test_unknown_keys_get_did_you_mean(precision, path, suggestion) -> None:
+    (p,) = errors(cfg(**precision))
+    assert p.path == path and f"did you mean {suggestion!r}" in p.message
+
+
+@pytest.mark.parametrize("where", [("kernel",), ("weights", "block"), ("monitor", "interval"), ("enabled",)])
+def test_auto_is_rejected_with_advice(where) -> None:
+    precision: dict = {}
+    node = precision
+    for k in where[:-1]:
+        node = node.setdefault(k, {})
+    node[where[-1]] = "auto"
+    probs = errors(cfg(**precision)) if where != ("enabled",) else errors({**BASE, "precision": {"enabled": "auto"}})
+    (p,) = probs
+    assert p.path == "precision." + ".".join(where)
+    assert '"auto" is not allowed' in p.message and "Accelerate" in p.message and "write" in p.message
+
+
+def test_fp16_and_missing_bf16_are_rejected() -> None:
+    d = cfg()
+    d["fp16"] = {"enabled": True}
+    d["bf16"] = {"enabled": False}
+    msgs = [p.message for p in errors(d)]
+    assert any("fp16.enabled: true" in m for m in msgs)
+    assert any("bf16.enabled: true" in m for m in msgs)
+
+
+def test_disabled_section_skips_cross_checks() -> None:
+    d = cfg()
+    d["precision"]["enabled"] = False
+    d["zero_optimization"]["stage"] = 2
+    assert errors(d) == []
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_nvfp4_storage_needs_stage_3(stage: int) -> None:
+    d = cfg()
+    d["zero_optimization"]["stage"] = stage
+    (p,) = errors(d)
+    assert p.path == "precision.weights.storage"
+    assert "zero_optimization.stage: 3" in p.message and f"found stage {stage}" in p.message and '"bf16"' in p.message
+    d["precision"]["weights"] = {"storage": "bf16"}
+    assert errors(d) == []
+
+
+def test_nvfp4_all_gather_needs_nvfp4_storage_and_stage_3() -> None:
+    (p,) = errors(cfg(weights={"storage": "bf16"}, communication={"all_gather": "nvfp4"}))
+    assert p.path == "precision.communication.all_gather" and "precision.weights.storage" in p.message
+    assert errors(cfg(communication={"all_gather": "nvfp4"})) == []
+
+
+def test_fp4_backward_needs_16x16_weights() -> None:
+    (p,) = errors(cfg(weights={"block": "1x16"}, backward={"gemm": "nvfp4"}))
+    assert p.path == "precision.backward.gemm" and 'precision.weights.block: "16x16"' in p.message
+    assert errors(cfg(backward={"gemm": "nvfp4"})) == []
+
+
+def test_reduce_scatter_must_agree_with_communication_data_type() -> None:
+    d = cfg(communication={"reduce_scatter": "fp32"})
+    d["communication_data_type"] = "bf16"
+    (p,) = errors(d)
+    assert p.path == "precision.communication.reduce_scatter" and "communication_data_type" in p.message
+
+
+@pytest.mark.parametrize("key, suggestion", [("zero_optimisation", "zero_optimization"), ("precison", "precision"),
+                                             ("gradient_cliping", "gradient_clipping")])
+def test_near_miss_top_level_keys_warn(key: str, suggestion: str) -> None:
+    d = cfg()
+    d[key] = {}
+    probs = check_config(d)[1]
+    (w,) = [p for p in probs if p.severity == "warning"]
+    assert w.path == key and suggestion in w.message
+
+
+def test_load_config_raises_one_error_with_every_problem(tmp_path: Path) -> None:
+    d = cfg(weights={"storage": "fp8", "block": "2x2"}, kernel="auto")
+    with pytest.raises(ConfigError) as info:
+        load_config(d)
+    paths = {p.path for p in info.value.problems}
+    assert paths == {"precision.kernel"}  # "auto" is reported first: fix it, then the rest is checked
+    d["precision"].pop("kernel")
+    with pytest.raises(ConfigError) as info:
+        load_config(d)
+    assert {p.path for p in info.value.problems} == {"precision.weights.storage", "precision.weights.block"}
+    assert "precision.weights.storage" in str(info.value)
+
+
+def test_public_api() -> None:
+    assert ds_nvfp4.PrecisionConfig is PrecisionConfig and ds_nvfp4.ConfigError is ConfigError
+    ds, pc = ds_nvfp4.load_config(str(PRESETS / "nvfp4_full_zero3.json"))
+    assert pc.backward.gemm == "nvfp4" and ds["zero_optimization"]["stage"] == 3
+
+
+def _values_from_schema(schema: dict, defs: dict) -> st.SearchStrategy:
+    if "$ref" in schema:
+        return _values_from_schema(defs[schema["$ref"].split("/")[-1]], defs)
+    if "anyOf" in schema:
+        return st.one_of([_values_from_schema(s, defs) for s in schema["anyOf"]])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    if "const" in schema:
+        return st.just(schema["const"])
+    t = schema.get("type")
+    if t == "object":
+        props = schema.get("properties", {})
+        return st.fixed_dictionaries({}, optional={k: _values_from_schema(v, defs) for k, v in props.items()})
+    if t == "boolean":
+        return st.booleans()
+    if t == "integer":
+        return st.integers(min_value=schema.get("minimum", 0), max_value=1000)
+    if t == "array":
+        return st.lists(st.text(alphabet="abc.*_", min_size=1, max_size=6), max_size=3)
+    if t == "null":
+        return st.none()
+    raise AssertionError(f"schema type not covered by the test: {schema}")
+
+
+SCHEMA = PrecisionConfig.model_json_schema()
+
+
+@given(_values_from_schema(SCHEMA, SCHEMA.get("$defs", {})))
+def test_anything_the_schema_allows_validates(section: dict) -> None:
+    """Property: a section built from the JSON Schema (``ds-nvfp4 schema``) passes the section validation."""
+    d = copy.deepcopy(BASE)
+    d["precision"] = section
+    pc, probs = check_config(d)
+    section_errors = [p for p in probs if p.severity == "error" and not _is_cross_check(p)]
+    assert pc is not None and section_errors == []
+
+
+def _is_cross_check(p) -> bool:
+    return any(s in p.message for s in ("needs", "disagrees", "cannot be combined"))
