@@ -7,10 +7,21 @@ Layers, each importing only the ones before it:
 
 from .config import ConfigError, PrecisionConfig, load_config
 from .format import NVFP4Tensor, dequantize, hadamard, inverse_hadamard, quantize
+from .nn import ConversionReport, NVFP4Linear, convert_model
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConfigError", "NVFP4Tensor", "PrecisionConfig", "__version__", "dequantize", "hadamard", "inverse_hadamard",
-    "load_config", "quantize",
+    "ConfigError",
+    "ConversionReport",
+    "NVFP4Linear",
+    "NVFP4Tensor",
+    "PrecisionConfig",
+    "__version__",
+    "convert_model",
+    "dequantize",
+    "hadamard",
+    "inverse_hadamard",
+    "load_config",
+    "quantize",
 ]

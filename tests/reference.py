@@ -79,3 +79,21 @@ def all_e4m3_values() -> torch.Tensor:
     raw = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     vals = raw.view(torch.float8_e4m3fn).to(F32)
     return torch.sort(vals[torch.isfinite(vals)]).values
+
+
+def ref_block_values(packed: torch.Tensor, sb: torch.Tensor, block: str) -> torch.Tensor:
+    """e2m1 value times its E4M3 block scale, float32 [M, K] (no per-tensor factor): exact."""
+    m, half = packed.shape
+    codes = torch.empty(m, half * 2, dtype=torch.uint8)
+    codes[:, ::2] = packed % 16
+    codes[:, 1::2] = packed // 16
+    return VALUES[codes.long()] * expand(sb.to(F32), block)
+
+
+def ref_fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_block: str = "1x16", b_block: str = "16x16") -> torch.Tensor:
+    """What the FP4 tensor cores compute for ``a [M,K] @ b[N,K].T``: exact operand values, FP32 accumulation,
+    ``alpha = amax_a * amax_b / 2688^2`` applied to the accumulator."""
+    pa, sa, aa = ref_quantize(a, a_block)
+    pb, sb, ab = ref_quantize(b, b_block)
+    acc = ref_block_values(pa, sa, a_block) @ ref_block_values(pb, sb, b_block).t()
+    return acc * ((aa * ab) * f32(1.0 / (2688.0 * 2688.0)))

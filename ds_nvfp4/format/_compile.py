@@ -24,6 +24,7 @@ from typing import TypeVar
 import torch
 
 log = logging.getLogger("ds_nvfp4")
+_RECOMPILE_LIMIT = 64
 F = TypeVar("F", bound=Callable)
 
 
@@ -68,7 +69,11 @@ class _Compiled:
             # symbolic sizes, which then serves every later shape (no per-shape recompiles).
             self.compiled = torch.compile(self.fn, dynamic=None, fullgraph=True)
         try:
-            return self.compiled(*args, **kwargs)
+            # Each kernel is specialised on its string/dtype arguments (block layout, output dtype) and once
+            # more for symbolic shapes: up to ~12 graphs for `decode`. Dynamo's default limit of 8 per function
+            # would stop compiling mid-run; raise it for our own kernels only.
+            with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                return self.compiled(*args, **kwargs)
         except Exception as exc:  # a compiler problem must not stop training: same bits, eager
             self.failed = True
             log.warning("ds_nvfp4: torch.compile of %s failed (%s); using the eager kernel "

@@ -108,3 +108,16 @@ def decode(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block: s
     else:
         out = values * factor[:, None, :, None]
     return out.reshape(m, k).to(dtype)
+
+
+@compiled
+def decode_block_values(data: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
+    """float32 [M, K]: E2M1 value times its E4M3 block scale, without the per-tensor factor (exact).
+
+    ``scale_rows`` is the row-wise ``[M, K/16]`` scale layout (16x16 tiles already replicated over rows).
+    These are exactly the operand values an FP4 tensor core multiplies.
+    """
+    m = data.shape[0]
+    k = data.shape[1] * 2
+    values = e2m1.decode(e2m1.unpack(data)).view(m, k // BLOCK_SIZE, BLOCK_SIZE)
+    return (values * scale_rows.to(_F32).unsqueeze(-1)).view(m, k)

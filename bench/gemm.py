@@ -1,0 +1,71 @@
+"""Forward+backward of one Linear: NVFP4Linear (each recipe) vs nn.Linear in BF16 and FP32, same run.
+
+Usage: python bench/gemm.py [--features 4096] [--tokens 2048] [--repeats 3] [--json out.json]
+Reports median seconds and the ratio to the BF16 nn.Linear (the baseline the mission compares against).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import ds_nvfp4
+from ds_nvfp4.nn import NVFP4Linear, Recipe
+
+
+def fwd_bwd_time(layer: nn.Module, x: torch.Tensor, repeats: int) -> float:
+    g = torch.randn(x.shape[0], layer.out_features, dtype=x.dtype)
+
+    def once() -> None:
+        xi = x.detach().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        layer(xi).backward(g)
+
+    once()
+    once()  # warm-up: compiles the format kernels on CPU
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--features", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    f, t = args.features, args.tokens
+    torch.manual_seed(0)
+    kernel = ds_nvfp4.kernels.select(None).name
+    rows: dict[str, float] = {}
+    for name, dtype in (("nn.Linear bf16", torch.bfloat16), ("nn.Linear fp32", torch.float32)):
+        rows[name] = fwd_bwd_time(nn.Linear(f, f, dtype=dtype), torch.randn(t, f, dtype=dtype), args.repeats)
+    recipes = {
+        "NVFP4Linear, mission recipe (bf16 backward)": Recipe(kernel=kernel),
+        "NVFP4Linear, paper recipe (FP4 backward, SR, RHT)": Recipe(backward_gemm="nvfp4", kernel=kernel),
+    }
+    for name, recipe in recipes.items():
+        rows[name] = fwd_bwd_time(NVFP4Linear(f, f, dtype=torch.bfloat16, recipe=recipe),
+                                  torch.randn(t, f, dtype=torch.bfloat16), args.repeats)
+    base = rows["nn.Linear bf16"]
+    print(f"[{t} x {f}] @ [{f} x {f}]^T forward+backward, bf16 activations and weights, kernel {kernel}, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+    print(f"{'layer':52s} {'s':>8s} {'vs bf16 nn.Linear':>18s}")
+    for name, s in rows.items():
+        print(f"{name:52s} {s:8.3f} {s / base:17.2f}x")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({k: {"seconds": v, "ratio_to_bf16_linear": v / base} for k, v in rows.items()}, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""FP4 GEMM backends behind one interface (`GemmBackend.mm`), and the per-run choice among them."""
+
+from .base import GemmBackend, global_alpha
+from .select import (
+    BackendUnavailable,
+    DeviceInfo,
+    Selection,
+    availability,
+    decide,
+    fp4_tensor_cores,
+    get_backend,
+    probe,
+    select,
+)
+
+__all__ = ["BackendUnavailable", "DeviceInfo", "GemmBackend", "Selection", "availability", "decide",
+           "fp4_tensor_cores", "get_backend", "global_alpha", "probe", "select"]

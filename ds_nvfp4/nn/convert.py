@@ -1,0 +1,135 @@
+"""`convert_model`: swap eligible ``nn.Linear`` modules for NVFP4Linear, in place, and say why for each."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+
+from torch import nn
+
+from ..config import PrecisionConfig
+from ..kernels import Selection, select
+from .linear import NVFP4Linear
+from .recipe import Recipe
+from .report import ConversionReport, LayerDecision
+
+log = logging.getLogger("ds_nvfp4")
+
+
+def _numel(p: nn.Parameter) -> int:
+    """Full element count, also for ZeRO-3 partitioned parameters (whose local numel is 0)."""
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+def _shape(m: nn.Linear) -> tuple[int, int]:
+    return m.out_features, m.in_features
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """fnmatch against the full dotted name or any dotted suffix of it ("lm_head" matches "model.lm_head")."""
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts)))
+
+
+def find_blocks(model: nn.Module) -> tuple[str, int] | None:
+    """The repeated transformer blocks: the longest ``nn.ModuleList`` (>= 2) whose children share one type."""
+    best = None
+    for name, m in model.named_modules():
+        same_type = isinstance(m, nn.ModuleList) and len(m) >= 2 and len({type(c) for c in m}) == 1
+        if same_type and (best is None or len(m) > best[1]):
+            best = (name, len(m))
+    return best
+
+
+def _block_index(name: str, blocks: tuple[str, int] | None) -> int | None:
+    if blocks is None:
+        return None
+    prefix = f"{blocks[0]}." if blocks[0] else ""
+    if not name.startswith(prefix):
+        return None
+    head = name[len(prefix):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, selection: Selection | None = None,
+                  device=None) -> ConversionReport:
+    """Convert ``model`` in place per ``precision.modules`` and return the report.
+
+    Call it before ``deepspeed.initialize`` (``ds_nvfp4.initialize`` does). Parameters keep their identity, so
+    optimizers, state_dict keys and ZeRO-3 partitioned parameters are unaffected.
+
+    Raises:
+        ValueError: ``keep_first/last_blocks_bf16`` asks for blocks the model does not have.
+        kernels.BackendUnavailable: ``precision.kernel`` names a backend that cannot run here.
+    """
+    pc = precision if isinstance(precision, PrecisionConfig) else PrecisionConfig.model_validate(precision)
+    sel = selection or select(pc.kernel, device)
+    recipe = Recipe.from_config(pc, sel.name)
+    mods = pc.modules
+    blocks = find_blocks(model)
+    report = ConversionReport(kernel=sel.name, kernel_reason=sel.reason,
+                              blocks=f"{blocks[0] or '<root>'} ({blocks[1]} x "
+                                     f"{type(model.get_submodule(blocks[0])[0]).__name__})" if blocks else None)
+    first, last = mods.keep_first_blocks_bf16, mods.keep_last_blocks_bf16
+    if (first or last) and blocks is None:
+        raise ValueError("precision.modules.keep_first_blocks_bf16/keep_last_blocks_bf16 are set, but the model has "
+                         "no repeated transformer blocks (no nn.ModuleList of >= 2 children of one type); set both "
+                         "to 0 and use modules.exclude patterns instead")
+    if blocks and first + last > blocks[1]:
+        raise ValueError(f"precision.modules: keep_first_blocks_bf16 ({first}) + keep_last_blocks_bf16 ({last}) is "
+                         f"more than the model's {blocks[1]} blocks")
+    if blocks is None:
+        report.notes.append("no repeated transformer blocks found (no nn.ModuleList of same-type children)")
+
+    owners: dict[int, list[str]] = {}
+    for mname, m in model.named_modules():
+        for pname, p in m.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
+    mha_children = {f"{n}.{c}" if n else c for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)
+                    for c, _ in m.named_modules() if c}
+    vocab = {m.num_embeddings: n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+
+    for name, m in list(model.named_modules()):
+        if not isinstance(m, nn.Linear):
+            continue
+        n_out, n_in = _shape(m)
+        weight_name = f"{name}.weight"
+        shared = [o for o in owners.get(id(m.weight), []) if o != weight_name]
+        excl = next((p for p in mods.exclude if _matches(name, p)), None)
+        idx = _block_index(name, blocks)
+        if isinstance(m, NVFP4Linear):
+            fp4, reason = True, "already NVFP4Linear"
+        elif name in mha_children:
+            fp4, reason = False, ("read directly by nn.MultiheadAttention's fused kernel (its forward never calls "
+                                  "Linear.forward)")
+        elif shared:
+            fp4, reason = False, f"weight shared with {', '.join(shared)} (tied): quantizing it would change that too"
+        elif excl is not None:
+            fp4, reason = False, f"excluded by modules.exclude pattern {excl!r}"
+        elif not any(_matches(name, p) for p in mods.include):
+            fp4, reason = False, f"not matched by modules.include {mods.include}"
+        elif idx is not None and idx < first:
+            fp4, reason = False, f"in block {idx} of {blocks[1]} (keep_first_blocks_bf16={first})"
+        elif idx is not None and idx >= blocks[1] - last:
+            fp4, reason = False, f"in block {idx} of {blocks[1]} (keep_last_blocks_bf16={last})"
+        elif n_in % 16:
+            fp4, reason = False, f"in_features={n_in} is not a multiple of 16 (NVFP4 blocks run along K)"
+        elif recipe.weight_block == "16x16" and n_out % 16:
+            fp4, reason = False, f"out_features={n_out} is not a multiple of 16 (16x16 weight tiles)"
+        else:
+            fp4, reason = True, "converted"
+            if n_out in vocab and idx is None:
+                reason += (f" (note: out_features equals the vocabulary of {vocab[n_out]!r}: if this is the LM head, "
+                           f"add {name!r} to modules.exclude)")
+                report.notes.append(f"{name} looks like an LM head and was quantized: no exclude pattern matched it")
+            NVFP4Linear.from_linear(m, recipe)
+        report.layers.append(LayerDecision(name, n_in, n_out, _numel(m.weight), fp4, reason))
+
+    fp4_ids = {id(model.get_submodule(d.name).weight) for d in report.layers if d.fp4}
+    for p in {id(p): p for p in model.parameters()}.values():
+        if id(p) in fp4_ids:
+            report.fp4_params += _numel(p)
+        else:
+            report.bf16_params += _numel(p)
+    log.info("%s", report.table())
+    return report

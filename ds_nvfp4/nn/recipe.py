@@ -1,0 +1,43 @@
+"""`Recipe`: the numerics a converted Linear follows, derived from the ``precision`` section."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What is quantized how. Hashable and serialisable to a short string (custom ops take strings).
+
+    Attributes:
+        weight_block: "16x16" or "1x16" (weights); activations are always 1x16 with a dynamic amax.
+        act_hadamard: RHT of both forward GEMM operands along K.
+        backward_gemm: "bf16" (Dgrad/Wgrad in BF16, the mission's recipe) or "nvfp4" (the paper's).
+        stochastic_rounding: SR of the gradient operands (backward_gemm == "nvfp4" only).
+        backward_hadamard: RHT of both Wgrad operands along the token dim (backward_gemm == "nvfp4" only).
+        kernel: the GEMM backend name (``kernels.select`` decides it once per run).
+    """
+
+    weight_block: str = "16x16"
+    act_hadamard: bool = False
+    backward_gemm: str = "bf16"
+    stochastic_rounding: bool = True
+    backward_hadamard: bool = True
+    kernel: str = "emulated"
+
+    def encode(self) -> str:
+        return "|".join([self.weight_block, str(int(self.act_hadamard)), self.backward_gemm,
+                         str(int(self.stochastic_rounding)), str(int(self.backward_hadamard)), self.kernel])
+
+    @staticmethod
+    @functools.cache
+    def decode(text: str) -> Recipe:
+        wb, ah, bg, sr, bh, k = text.split("|")
+        return Recipe(wb, ah == "1", bg, sr == "1", bh == "1", k)
+
+    @classmethod
+    def from_config(cls, precision, kernel: str) -> Recipe:
+        """From a validated ``PrecisionConfig`` and the selected backend name."""
+        return cls(precision.weights.block, precision.activations.hadamard, precision.backward.gemm,
+                   precision.backward.stochastic_rounding, precision.backward.hadamard, kernel)
