@@ -9,6 +9,20 @@ from .config import ConfigError, PrecisionConfig, load_config
 from .format import NVFP4Tensor, dequantize, hadamard, inverse_hadamard, quantize
 from .nn import ConversionReport, NVFP4Linear, convert_model
 
+
+def initialize(*args, **kwargs):
+    """Drop-in for ``deepspeed.initialize``; see :func:`ds_nvfp4.engine.initialize`."""
+    from .engine import initialize as _initialize
+
+    return _initialize(*args, **kwargs)
+
+
+def storage_report(engine):
+    """Per-rank NVFP4 storage report of an engine; see :func:`ds_nvfp4.engine.storage_report`."""
+    from .engine import storage_report as _storage_report
+
+    return _storage_report(engine)
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -1,0 +1,138 @@
+"""`ds_nvfp4.initialize`: ``deepspeed.initialize`` with NVFP4 (a one-line change in a training script).
+
+Reads the ``precision`` section from the same ds_config (a path, a dict, or ``args.deepspeed_config``),
+validates it, converts the model's Linear layers, calls ``deepspeed.initialize`` unchanged, then (ZeRO-3 with
+``weights.storage: "nvfp4"``) packs the weight partitions. With ``precision.enabled`` false or absent it *is*
+``deepspeed.initialize``: same arguments, same return tuple, nothing else happens.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .config import ConfigError, PrecisionConfig, load_config
+from .kernels import Selection, select
+from .nn import ConversionReport, StatsCollector, convert_model
+
+log = logging.getLogger("ds_nvfp4")
+
+
+@dataclass
+class NVFP4State:
+    """What ``initialize`` did, attached to the engine as ``engine.ds_nvfp4``."""
+
+    precision: PrecisionConfig
+    selection: Selection
+    conversion: ConversionReport
+    store: Any = None              # zero.NVFP4Store when weights are stored packed
+    stats: StatsCollector | None = None
+
+
+def _resolve_config(bound: inspect.BoundArguments) -> tuple[str, Any]:
+    """Which argument holds the ds_config, and its value (dict or path)."""
+    for key in ("config", "config_params"):
+        if bound.arguments.get(key) is not None:
+            return key, bound.arguments[key]
+    args = bound.arguments.get("args")
+    path = getattr(args, "deepspeed_config", None) if args is not None else None
+    if path is None:
+        raise ConfigError([], "no ds_config given: pass config=..., config_params=... or args.deepspeed_config")
+    return "args", path
+
+
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def initialize(*args, **kwargs):
+    """Drop-in for ``deepspeed.initialize`` (same signature and return tuple).
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``; ``engine.ds_nvfp4`` holds the
+    :class:`NVFP4State` (conversion report, kernel selection, storage) when NVFP4 is enabled.
+
+    Raises:
+        ConfigError: the ``precision`` section (or its cross-checks) is invalid; nothing was started.
+        kernels.BackendUnavailable: ``precision.kernel`` cannot run here.
+        zero.UnsupportedDeepSpeed: the installed DeepSpeed lacks what packed ZeRO-3 storage needs.
+    """
+    import deepspeed
+
+    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    where, source = _resolve_config(bound)
+    ds_config, precision = load_config(source)
+    if not precision.enabled:
+        return deepspeed.initialize(*args, **kwargs)
+
+    ds_config = copy.deepcopy(ds_config)
+    if precision.communication.reduce_scatter == "fp32":
+        ds_config.setdefault("communication_data_type", "fp32")
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    packed = precision.weights.storage == "nvfp4"
+    if packed:
+        _check_zero_features(ds_config)
+        from .zero.guard import check_version
+
+        warning = check_version(os.environ.get("DS_NVFP4_ALLOW_UNTESTED_DEEPSPEED") == "1")
+        if warning:
+            log.warning("ds_nvfp4: %s", warning)
+
+    model = bound.arguments.get("model")
+    if model is None:
+        raise ValueError("ds_nvfp4.initialize needs model=... (the module to convert)")
+    selection = select(precision.kernel)
+    conversion = convert_model(model, precision, selection=selection)
+    if _is_rank0():
+        log.info("%s", conversion.table())
+
+    if where == "args":
+        bound.arguments["config"] = ds_config
+    else:
+        bound.arguments[where] = ds_config
+    engine, optimizer, loader, scheduler = deepspeed.initialize(*bound.args, **bound.kwargs)
+
+    state = NVFP4State(precision, selection, conversion)
+    if packed and stage == 3:
+        from .zero import install
+
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        converted = {id(engine.module.get_submodule(d.name).weight) for d in conversion.layers if d.fp4}
+        state.store = install(engine, names, converted, precision.weights.block, precision.communication.all_gather)
+        for name, why in state.store.kept_bf16.items():
+            conversion.notes.append(f"{name}: FP4 GEMMs, but its ZeRO-3 partition is stored BF16: {why}")
+        log.info("%s", state.store.report().summary())
+    if precision.monitor.enabled:
+        state.stats = StatsCollector(engine.module, precision.monitor.interval)
+    engine.ds_nvfp4 = state
+    return engine, optimizer, loader, scheduler
+
+
+def _check_zero_features(ds_config: dict) -> None:
+    """DeepSpeed features that cannot be combined with packed storage: a clear error before anything starts."""
+    zero = ds_config.get("zero_optimization", {})
+    for key, why in (
+        ("zero_quantized_weights", "ZeRO++ qwZ re-quantizes the gathered weights to int8 with DeepSpeed's CUDA-only "
+                                   'quantizer; use precision.communication.all_gather: "nvfp4" instead (3.5x less '
+                                   "traffic, exact)"),
+        ("zero_quantized_nontrainable_weights", "it swaps frozen weights' partitions for int8 tensors, which the "
+                                                'NVFP4 store cannot pack; freeze nothing or use weights.storage "bf16"'),
+    ):
+        if zero.get(key):
+            raise ConfigError([_problem(f"zero_optimization.{key}", f"cannot be combined with "
+                                                                    f'precision.weights.storage: "nvfp4": {why}')])
+
+
+def _problem(path: str, msg: str):
+    from .config import Problem
+
+    return Problem(path, msg)
+
+
+def storage_report(engine):
+    """Per-rank :class:`zero.StorageReport` of an engine from ``ds_nvfp4.initialize`` (None without packed storage)."""
+    state = getattr(engine, "ds_nvfp4", None)
+    return state.store.report() if state is not None and state.store is not None else None

@@ -1,0 +1,203 @@
+"""Scenarios run on every rank by harness.run_ranks: ``python -m tests.zero.worker NAME OUT.json PARAMS``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.checkpointed = checkpointed
+
+    def _f(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+    def forward(self, x):
+        if self.checkpointed and self.training:
+            return torch.utils.checkpoint.checkpoint(self._f, x, use_reentrant=False)
+        return self._f(x)
+
+
+class Net(nn.Module):
+    """Embedding, 3 blocks (one activation-checkpointed), an odd-shaped layer that stays BF16, a head."""
+
+    def __init__(self, d: int = 64, vocab: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, checkpointed=(i == 1)) for i in range(3))
+        self.odd = nn.Linear(d, 48)      # 48/2 ranks = 24 rows: a partition cuts 16x16 tiles -> stored BF16, reported
+        self.mix = nn.Linear(48, d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        h = self.embed(idx)
+        for b in self.blocks:
+            h = b(h)
+        h = h + self.mix(self.odd(h))
+        logits = self.lm_head(h).float()
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def config(**over) -> dict:
+    cfg = json.loads((ROOT / "ds_configs" / over.pop("preset", "nvfp4_zero3.json")).read_text())
+    cfg["train_micro_batch_size_per_gpu"] = 2
+    cfg["gradient_accumulation_steps"] = over.pop("gas", 1)
+    for k, v in over.items():
+        node = cfg
+        *path, last = k.split(".")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = v
+    return cfg
+
+
+def batch(step: int, rank: int, vocab: int = 128):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    idx = torch.randint(0, vocab, (2, 24), generator=g)
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+def make_engine(cfg: dict, seed: int = 0):
+    import ds_nvfp4
+
+    torch.manual_seed(seed)
+    model = Net()
+    engine, *_ = ds_nvfp4.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def train(engine, steps: range, rank: int) -> list[float]:
+    losses = []
+    for step in steps:
+        for micro in range(engine.gradient_accumulation_steps()):
+            loss = engine(*batch(step * 10 + micro, rank))
+            engine.backward(loss)
+            engine.step()
+        losses.append(float(loss))
+    return losses
+
+
+def exactness(engine) -> dict:
+    """For each converted weight: the BF16 weight gathered for the forward == dequant(quantize(full FP32 master))."""
+    import deepspeed
+
+    import ds_nvfp4
+    from ds_nvfp4.nn import NVFP4Linear
+
+    out = {}
+    block = engine.ds_nvfp4.precision.weights.block
+    store = engine.ds_nvfp4.store
+    if store is None:  # ZeRO 0-2 or BF16 storage: nothing is packed
+        return out
+    for name, m in engine.module.named_modules():
+        if not isinstance(m, NVFP4Linear):
+            continue
+        master = deepspeed.utils.safe_get_full_fp32_param(m.weight)
+        with deepspeed.zero.GatheredParameters([m.weight]):
+            seen = m.weight.data.clone()
+        want = ds_nvfp4.quantize(master, block=block, amax=master.abs().max()).dequantize(torch.bfloat16)
+        packed = store.entries[id(m.weight)].packable
+        out[name] = {"packed": packed, "equal": bool(torch.equal(seen, want)),
+                     "checksum": float(seen.float().abs().sum())}
+    return out
+
+
+def scenario_train(rank: int, p: dict) -> dict:
+    import ds_nvfp4
+
+    cfg = config(**p.get("config", {}))
+    engine = make_engine(cfg)
+    before = exactness(engine)
+    losses = train(engine, range(p.get("steps", 6)), rank)
+    after = exactness(engine)
+    rep = ds_nvfp4.storage_report(engine)
+    return {"losses": losses, "before": before, "after": after, "report": rep.to_dict() if rep else None,
+            "conversion": engine.ds_nvfp4.conversion.to_dict(), "kernel": engine.ds_nvfp4.selection.name}
+
+
+def scenario_checkpoint(rank: int, p: dict) -> dict:
+    """Train 6 steps saving at 3; a fresh engine loads step 3 and trains 4..6: losses must match exactly."""
+    import deepspeed
+
+    cfg = config(**p.get("config", {}))
+    ckpt = p["dir"]
+    e1 = make_engine(copy.deepcopy(cfg))
+    first = train(e1, range(3), rank)
+    w3 = {n: float(deepspeed.utils.safe_get_full_fp32_param(q).double().sum()) for n, q in
+          e1.module.named_parameters()}
+    e1.save_checkpoint(ckpt, tag="step3")
+    rest = train(e1, range(3, 6), rank)
+    w_ref = {n: float(deepspeed.utils.safe_get_full_fp32_param(q).double().sum()) for n, q in
+             e1.module.named_parameters()}
+    e1.save_16bit_model(ckpt, "model16.bin")
+    e2 = make_engine(copy.deepcopy(cfg), seed=123)  # different init: everything must come from the checkpoint
+    e2.load_checkpoint(ckpt, tag="step3")
+    resumed = train(e2, range(3, 6), rank)
+    w_res = {n: float(deepspeed.utils.safe_get_full_fp32_param(q).double().sum()) for n, q in
+             e2.module.named_parameters()}
+    return {"first": first, "rest": rest, "resumed": resumed, "w_ref": w_ref, "w_res": w_res, "w3": w3,
+            "exact_after_resume": exactness(e2)}
+
+
+def scenario_modify(rank: int, p: dict) -> dict:
+    """GatheredParameters(modifier_rank=0): unchanged weights keep their bytes; changed ones are re-packed."""
+    import deepspeed
+
+    import ds_nvfp4
+
+    engine = make_engine(config())
+    store = engine.ds_nvfp4.store
+    w = engine.module.blocks[0].fc1.weight
+    e = store.entries[id(w)]
+    def snapshot():
+        return e.q.data.clone(), e.q.scale.view(torch.uint8).clone(), e.q.amax.clone()
+
+    def same(a, b) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+
+    before = snapshot()
+    with deepspeed.zero.GatheredParameters([w], modifier_rank=0):
+        pass
+    kept = same(snapshot(), before)
+    with deepspeed.zero.GatheredParameters([w], modifier_rank=0):
+        if rank == 0:
+            w.data[0, :16] = 1.0  # an outlier: new amax, new codes everywhere
+        full_new = w.data.clone()
+    torch.distributed.broadcast(full_new, src=0)  # what every rank holds after the context's broadcast
+    with deepspeed.zero.GatheredParameters([w]):
+        seen = w.data.clone()
+    want = ds_nvfp4.quantize(full_new.float(), block="16x16", amax=full_new.float().abs().max()).dequantize()
+    return {"kept_bytes": kept, "changed_bytes": not same(snapshot(), before),
+            "repacked_equal": bool(torch.equal(seen, want))}
+
+
+def main() -> None:
+    name, out, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    result = globals()[f"scenario_{name}"](rank, params)
+    result["rank"] = rank
+    result["finite"] = all(math.isfinite(v) for v in result.get("losses", [0.0]))
+    Path(out).write_text(json.dumps(result))
+    torch.distributed.barrier()
+
+
+
+
+if __name__ == "__main__":
+    main()
