@@ -119,7 +119,8 @@ def _check_zero_features(ds_config: dict) -> None:
                                    'quantizer; use precision.communication.all_gather: "nvfp4" instead (3.5x less '
                                    "traffic, exact)"),
         ("zero_quantized_nontrainable_weights", "it swaps frozen weights' partitions for int8 tensors, which the "
-                                                'NVFP4 store cannot pack; freeze nothing or use weights.storage "bf16"'),
+                                                "NVFP4 store cannot pack; freeze nothing or use weights.storage "
+                                                '"bf16"'),
     ):
         if zero.get(key):
             raise ConfigError([_problem(f"zero_optimization.{key}", f"cannot be combined with "

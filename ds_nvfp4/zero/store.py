@@ -145,7 +145,8 @@ class _PackedGatherHandle:
             q = e.q
             nd, ns = q.data.numel(), q.scale.numel()
             data = chunks[:, off:off + nd].reshape(-1, q.data.shape[-1])
-            scale = chunks[:, off + nd:off + nd + ns].contiguous().view(torch.float8_e4m3fn).reshape(-1, q.scale.shape[-1])
+            scale = chunks[:, off + nd:off + nd + ns].contiguous().view(torch.float8_e4m3fn)
+            scale = scale.reshape(-1, q.scale.shape[-1])
             off += nd + ns
             rows = q.shape[0] * self.world
             full = NVFP4Tensor(data.to(q.device), scale.to(q.device), q.amax, torch.Size((rows, q.shape[1])), q.block)

@@ -33,7 +33,7 @@ def run_ranks(scenario: str, world_size: int = 2, timeout: int = 420, **params) 
                        LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
             out = Path(tmp) / f"rank{rank}.json"
-            log = open(Path(tmp) / f"rank{rank}.log", "w")
+            log = open(Path(tmp) / f"rank{rank}.log", "w")  # noqa: SIM115 (closed after the process ends)
             cmd = [sys.executable, "-m", "tests.zero.worker", scenario, str(out), json.dumps(params)]
             procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), out, log))
         failed = False
