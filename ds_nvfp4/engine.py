@@ -90,6 +90,10 @@ def initialize(*args, **kwargs):
         log.info("%s", conversion.table())
 
     if where == "args":
+        # DeepSpeed refuses a config given both ways: hand it the validated dict, and a copy of args without it
+        args_copy = copy.copy(bound.arguments["args"])
+        args_copy.deepspeed_config = None
+        bound.arguments["args"] = args_copy
         bound.arguments["config"] = ds_config
     else:
         bound.arguments[where] = ds_config

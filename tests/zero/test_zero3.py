@@ -87,3 +87,33 @@ def test_zero2_converts_but_stores_bf16() -> None:
     for r in res:
         assert r["report"] is None and r["finite"]
         assert any(layer["fp4"] for layer in r["conversion"]["layers"])
+
+
+def _to_universal(ckpt, tag: str) -> str:
+    import subprocess
+    import sys
+
+    out = f"{ckpt}/{tag}_universal"
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    f"{ckpt}/{tag}", "--output_folder", out, "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                   check=True, timeout=300, capture_output=True)
+    return f"{tag}_universal"
+
+
+@pytest.mark.parametrize("save_ranks, load_ranks", [(2, 1), (1, 2)])
+def test_resume_on_another_number_of_ranks(tmp_path, save_ranks: int, load_ranks: int) -> None:
+    ckpt = tmp_path / "ckpt"
+    saved = run_ranks("save", world_size=save_ranks, dir=str(ckpt))[0]
+    tag = _to_universal(ckpt, "step3")
+    for r in run_ranks("load_universal", world_size=load_ranks, dir=str(ckpt), tag=tag):
+        for k, v in saved["w"].items():
+            assert math.isclose(r["w"][k], v, rel_tol=1e-6, abs_tol=1e-6), k
+        assert r["finite"] and all(x["equal"] for x in r["exact"].values() if x["packed"])
+
+
+def test_config_from_args_and_plain_deepspeed_when_disabled() -> None:
+    for r in run_ranks("args_form"):
+        nv, bf = r["nvfp4_zero3.json"], r["bf16_zero3.json"]
+        assert nv["has_state"] and nv["fp4_layers"] == 8 and nv["report"]
+        assert not bf["has_state"] and bf["fp4_layers"] == 0 and not bf["report"]
+        assert math.isfinite(nv["loss"]) and math.isfinite(bf["loss"])

@@ -184,6 +184,50 @@ def scenario_modify(rank: int, p: dict) -> dict:
             "repacked_equal": bool(torch.equal(seen, want))}
 
 
+def scenario_save(rank: int, p: dict) -> dict:
+    """Train 3 steps and save a checkpoint (for the universal-checkpoint resume on another rank count)."""
+    import deepspeed
+
+    e = make_engine(config())
+    losses = train(e, range(3), rank)
+    e.save_checkpoint(p["dir"], tag="step3")
+    w = {n: float(deepspeed.utils.safe_get_full_fp32_param(q).double().sum()) for n, q in e.module.named_parameters()}
+    return {"losses": losses, "w": w}
+
+
+def scenario_load_universal(rank: int, p: dict) -> dict:
+    """Load a universal checkpoint written by another number of ranks, check the masters, train on."""
+    import deepspeed
+
+    e = make_engine(config(**{"checkpoint.load_universal": True}), seed=321)
+    e.load_checkpoint(p["dir"], tag=p["tag"])
+    w = {n: float(deepspeed.utils.safe_get_full_fp32_param(q).double().sum()) for n, q in e.module.named_parameters()}
+    losses = train(e, range(3, 5), rank)
+    return {"losses": losses, "w": w, "exact": exactness(e)}
+
+
+def scenario_args_form(rank: int, p: dict) -> dict:
+    """`deepspeed --deepspeed_config FILE` style: the config comes from args; a BF16 preset is plain DeepSpeed."""
+    import argparse
+
+    import ds_nvfp4
+    from ds_nvfp4.nn import NVFP4Linear
+
+    out = {}
+    for preset in ("nvfp4_zero3.json", "bf16_zero3.json"):
+        torch.manual_seed(0)
+        model = Net()
+        args = argparse.Namespace(deepspeed_config=str(ROOT / "ds_configs" / preset), local_rank=rank)
+        engine, *_ = ds_nvfp4.initialize(args=args, model=model, model_parameters=model.parameters())
+        loss = engine(*batch(0, rank))
+        engine.backward(loss)
+        engine.step()
+        out[preset] = {"has_state": hasattr(engine, "ds_nvfp4"),
+                       "fp4_layers": sum(isinstance(m, NVFP4Linear) for m in engine.module.modules()),
+                       "loss": float(loss), "report": bool(ds_nvfp4.storage_report(engine))}
+    return out
+
+
 def main() -> None:
     name, out, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     import deepspeed
