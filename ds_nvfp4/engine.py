@@ -112,7 +112,34 @@ def initialize(*args, **kwargs):
     if precision.monitor.enabled:
         state.stats = StatsCollector(engine.module, precision.monitor.interval)
     engine.ds_nvfp4 = state
+    _describe_checkpoints(engine, state)
     return engine, optimizer, loader, scheduler
+
+
+#: written next to every checkpoint tag: what `ds-nvfp4 export` needs to know about the run
+CHECKPOINT_META = "ds_nvfp4.json"
+
+
+def _describe_checkpoints(engine, state: NVFP4State) -> None:
+    """Make checkpoints self-describing: ``<dir>/<tag>/ds_nvfp4.json`` holds the precision section and the
+    conversion report (which layers are NVFP4), written by rank 0 after DeepSpeed's own save succeeded."""
+    import json
+
+    original = engine.save_checkpoint
+
+    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+        ok = original(save_dir, tag, *args, **kwargs)
+        if _is_rank0():
+            real_tag = tag if tag is not None else f"global_step{engine.global_steps}"
+            meta = {"precision": state.precision.model_dump(), "conversion": state.conversion.to_dict()}
+            path = os.path.join(str(save_dir), str(real_tag), CHECKPOINT_META)
+            tmp = path + ".tmp"
+            with open(tmp, "w") as fh:
+                json.dump(meta, fh, indent=2)
+            os.replace(tmp, path)  # never a half-written file
+        return ok
+
+    engine.save_checkpoint = save_checkpoint
 
 
 def _check_zero_features(ds_config: dict) -> None:

@@ -1,0 +1,105 @@
+"""`ds-nvfp4 export`: each format reloaded (compressed-tensors by its own library) equals the reference."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.reference import VALUES, expand, ref_dequantize, ref_quantize
+from tests.zero.harness import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    ckpt = tmp_path_factory.mktemp("export") / "ckpt"
+    run_ranks("save", dir=str(ckpt))
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def masters(checkpoint: Path) -> tuple[dict, dict]:
+    from ds_nvfp4.export import load_run, nvfp4_layers
+
+    sd, meta = load_run(checkpoint)
+    return sd, nvfp4_layers(meta)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ds_nvfp4", *args], capture_output=True, text=True, timeout=300)
+
+
+def reference(w: torch.Tensor, block: str):
+    return ref_quantize(w, block, amax=w.abs().max())
+
+
+def test_layers_from_metadata(masters) -> None:
+    _, layers = masters
+    assert set(layers) == {f"blocks.{i}.fc{j}" for i in range(3) for j in (1, 2)} | {"odd", "mix"}
+
+
+def test_bf16_export(checkpoint: Path, masters, tmp_path: Path) -> None:
+    sd, layers = masters
+    r = cli("export", str(checkpoint), str(tmp_path), "--format", "bf16")
+    assert r.returncode == 0, r.stderr
+    out = load_file(tmp_path / "model.safetensors")
+    for key, w in sd.items():
+        layer = key.removesuffix(".weight")
+        if layer in layers and key.endswith(".weight"):
+            packed, sb, amax = reference(w, layers[layer])
+            assert torch.equal(out[key], ref_dequantize(packed, sb, amax, layers[layer]).to(torch.bfloat16)), key
+        else:
+            assert torch.equal(out[key], w.to(torch.bfloat16)), key
+
+
+def test_modelopt_export(checkpoint: Path, masters, tmp_path: Path) -> None:
+    sd, layers = masters
+    assert cli("export", str(checkpoint), str(tmp_path), "--format", "nvfp4-modelopt").returncode == 0
+    out = load_file(tmp_path / "model.safetensors")
+    cfg = json.loads((tmp_path / "hf_quant_config.json").read_text())
+    assert cfg["quantization"]["quant_algo"] == "NVFP4" and "lm_head" in cfg["quantization"]["exclude_modules"]
+    for layer, block in layers.items():
+        packed, sb, amax = reference(sd[f"{layer}.weight"], block)
+        assert torch.equal(out[f"{layer}.weight"], packed)
+        assert torch.equal(out[f"{layer}.weight_scale"].view(torch.uint8), expand(sb.to(torch.float32), block)[:, ::16]
+                           .to(torch.float8_e4m3fn).view(torch.uint8))
+        assert torch.equal(out[f"{layer}.weight_scale_2"], amax / 2688)
+        # ModelOpt's dequantization: e2m1 * weight_scale * weight_scale_2
+        codes = torch.stack([packed % 16, packed // 16], -1).reshape(packed.shape[0], -1)
+        deq = VALUES[codes.long()] * expand(out[f"{layer}.weight_scale"].float()[:, :, None].squeeze(-1), "1x16")
+        deq = deq * out[f"{layer}.weight_scale_2"]
+        want = ref_dequantize(packed, sb, amax, block)
+        torch.testing.assert_close(deq, want, rtol=4 * 2**-23, atol=0)
+
+
+def test_compressed_tensors_export_reloads_with_the_library(checkpoint: Path, masters, tmp_path: Path) -> None:
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    sd, layers = masters
+    assert cli("export", str(checkpoint), str(tmp_path), "--format", "nvfp4-compressed-tensors").returncode == 0
+    out = load_file(tmp_path / "model.safetensors")
+    qc = QuantizationConfig.model_validate(json.loads((tmp_path / "config.json").read_text())["quantization_config"])
+    scheme = qc.config_groups["group_0"]
+    for layer, block in layers.items():
+        got = NVFP4PackedCompressor.decompress({k: out[f"{layer}.{k}"] for k in
+                                                ("weight_packed", "weight_scale", "weight_global_scale")}, scheme)
+        packed, sb, amax = reference(sd[f"{layer}.weight"], block)
+        want = ref_dequantize(packed, sb, amax, block).to(torch.bfloat16)
+        assert torch.equal(got["weight"].to(torch.bfloat16), want), (layer, ct.__version__)
+
+
+def test_export_errors(tmp_path: Path) -> None:
+    r = cli("export", str(tmp_path / "nope"), str(tmp_path / "out"), "--format", "bf16")
+    assert r.returncode == 2 and "not a directory" in r.stderr
+    (tmp_path / "ck" / "t1").mkdir(parents=True)
+    r = cli("export", str(tmp_path / "ck"), str(tmp_path / "out"), "--format", "bf16", "--tag", "t1")
+    assert r.returncode == 2 and "ds_nvfp4.json: missing" in r.stderr
