@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -170,6 +171,8 @@ class NVFP4Store:
         self.compact: dict[int, torch.Tensor] = {}
         self.packed = False
         self.gathered_bytes = 0
+        #: wall seconds spent re-packing after steps and dequantizing before gathers (for bench/zero.py)
+        self.seconds = {"pack": 0.0, "dequantize_for_gather": 0.0}
         from deepspeed import comm as dist
         from deepspeed.accelerator import get_accelerator
 
@@ -196,6 +199,11 @@ class NVFP4Store:
     # ---- packing -------------------------------------------------------------------------------------------
     def pack_group(self, sid: int) -> None:
         """Re-derive sub-group ``sid``'s storage from its FP32 master partition (after a step or a load)."""
+        t0 = time.perf_counter()
+        self._pack_group(sid)
+        self.seconds["pack"] += time.perf_counter() - t0
+
+    def _pack_group(self, sid: int) -> None:
         fp32 = self.opt.fp32_partitioned_groups_flat[sid]
         group = self.by_group[sid]
         packable = [e for e in group if e.packable]
@@ -278,9 +286,11 @@ class NVFP4Store:
         return out
 
     def _materialize(self, entries: list[Entry]) -> None:
+        t0 = time.perf_counter()
         for e in entries:
             e.param.ds_tensor.data = unpack_partition(e.q, e.param.ds_tensor.dtype)
             self.gathered_bytes += e.numel * e.param.ds_tensor.element_size() * self._world(e)
+        self.seconds["dequantize_for_gather"] += time.perf_counter() - t0
 
     def _world(self, e: Entry) -> int:
         return self.dist.get_world_size(group=e.param.ds_process_group)
