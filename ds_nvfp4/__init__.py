@@ -5,6 +5,7 @@ Layers, each importing only the ones before it:
 (DeepSpeed storage) <- ``engine`` (``initialize``); ``config`` and ``cli`` beside them.
 """
 
+from . import data
 from .config import ConfigError, PrecisionConfig, load_config
 from .format import NVFP4Tensor, dequantize, hadamard, inverse_hadamard, quantize
 from .nn import ConversionReport, NVFP4Linear, convert_model

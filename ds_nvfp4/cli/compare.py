@@ -1,0 +1,36 @@
+"""`ds-nvfp4 compare BASELINE_RUN NVFP4_RUN`: the acceptance report; exit 0 pass, 1 fail, 3 inconclusive, 2 bad input."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="BF16-vs-NVFP4 acceptance report of two launch/train.py runs",
+                       description="Exit 0: pass; 1: fail; 3: inconclusive (confidence interval wider than the "
+                                   "threshold); 2: runs that cannot be compared.")
+    p.add_argument("baseline")
+    p.add_argument("candidate")
+    p.add_argument("--out", help="report directory (default: the candidate run directory)")
+    p.add_argument("--loss-gap", type=float, default=0.01, help="max final relative validation-loss gap (0.01 = 1%%)")
+    p.add_argument("--acc-gap", type=float, default=0.5, help="max downstream accuracy gap, points")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..report import CompareError, compare, write
+
+    try:
+        rep = compare(args.baseline, args.candidate, args.loss_gap, args.acc_gap)
+    except CompareError as exc:
+        print(f"ds-nvfp4 compare: {exc}", file=sys.stderr)
+        return 2
+    paths = write(rep, args.out or args.candidate)
+    for c in rep.criteria:
+        gap = "-" if c.value is None else (f"{c.value:+.3%}" if c.unit == "relative" else f"{c.value:+.2f} {c.unit}")
+        ci = "" if c.ci is None else (f" CI [{c.ci[0]:+.3%}, {c.ci[1]:+.3%}]" if c.unit == "relative"
+                                      else f" CI [{c.ci[0]:+.2f}, {c.ci[1]:+.2f}]")
+        print(f"{c.name}: {gap}{ci} -> {c.verdict}")
+    print(f"verdict: {rep.verdict}; report: {paths['md']}, plot: {paths['png']}")
+    return rep.exit_code

