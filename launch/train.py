@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-import ds_nvfp4  # noqa: E402
+import ds_nvfp4
 
 # name: (layers, d_model, heads); ~1M (CI), 5M, 30M, 100M parameters with a 256-byte vocabulary
 PRESETS = {"1m": (5, 128, 2), "5m": (6, 256, 4), "30m": (10, 512, 8), "100m": (14, 768, 12)}
@@ -187,7 +187,7 @@ def main() -> None:
         _, client = engine.load_checkpoint(str(out / "ckpt"))
         start = int(client["step"])
         if rank == 0 and metrics_path.exists():  # drop lines past the checkpoint: they are recomputed
-            kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] < start]
+            kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= start]
             metrics_path.write_text("".join(ln + "\n" for ln in kept))
     elif rank == 0 and metrics_path.exists():
         metrics_path.unlink()
@@ -224,7 +224,7 @@ def main() -> None:
             loss = F.cross_entropy(logits.view(-1, 256), y.to(engine.device).view(-1))
             engine.backward(loss)
             engine.step()
-            loss_sum += float(loss) / gas
+            loss_sum += loss.item() / gas
         step_time = time.perf_counter() - t0
         mean_loss = torch.tensor(loss_sum)
         torch.distributed.all_reduce(mean_loss)

@@ -24,31 +24,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(scenario: str, world_size: int = 2, timeout: int = 420, **params) -> list[dict]:
+def spawn_ranks(cmd: list[str], world_size: int, logdir: Path, timeout: int) -> None:
+    """Run ``cmd`` once per rank with the launcher's environment; raise with every rank's log on any failure."""
     port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                   LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+        log = open(logdir / f"rank{rank}.log", "w")  # noqa: SIM115 (closed after the process ends)
+        procs.append((subprocess.Popen([c.replace("{rank}", str(rank)) for c in cmd], env=env, stdout=log,
+                                       stderr=subprocess.STDOUT, cwd=ROOT), log))
+    failed = False
+    for p, _ in procs:
+        try:
+            failed |= p.wait(timeout=timeout) != 0
+        except subprocess.TimeoutExpired:
+            failed = True
+    for p, log in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        log.close()
+    if failed:
+        logs = "\n".join(f"--- rank {r} ---\n" + (logdir / f"rank{r}.log").read_text()[-6000:]
+                         for r in range(world_size))
+        raise AssertionError(f"{' '.join(cmd[:4])} ... failed on some rank:\n{logs}")
+
+
+def run_ranks(scenario: str, world_size: int = 2, timeout: int = 420, **params) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        procs = []
-        for rank in range(world_size):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                       LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
-            out = Path(tmp) / f"rank{rank}.json"
-            log = open(Path(tmp) / f"rank{rank}.log", "w")  # noqa: SIM115 (closed after the process ends)
-            cmd = [sys.executable, "-m", "tests.zero.worker", scenario, str(out), json.dumps(params)]
-            procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), out, log))
-        failed = False
-        for p, _, _ in procs:
-            try:
-                failed |= p.wait(timeout=timeout) != 0
-            except subprocess.TimeoutExpired:
-                failed = True
-        for p, _, log in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            log.close()
-        if failed:
-            logs = "\n".join(f"--- rank {r} ---\n" + (Path(tmp) / f"rank{r}.log").read_text()[-6000:]
-                             for r in range(world_size))
-            raise AssertionError(f"scenario {scenario} failed on some rank:\n{logs}")
-        return [json.loads(out.read_text()) for _, out, _ in procs]
+        out = str(Path(tmp) / "rank{rank}.json")
+        spawn_ranks([sys.executable, "-m", "tests.zero.worker", scenario, out, json.dumps(params)], world_size,
+                    Path(tmp), timeout)
+        return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world_size)]

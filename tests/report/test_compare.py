@@ -1,0 +1,94 @@
+"""`ds-nvfp4 compare`: verdicts with confidence intervals, exit codes, refusal of incomparable runs, files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def make_run(path: Path, batch_losses: list[float], *, seed: int = 0, steps: int = 100, tok_s: float = 1000.0,
+             weight_bytes: int = 1000, finetune: list[float] | None = None) -> Path:
+    path.mkdir(parents=True)
+    cfg = {"args": {"seed": seed, "steps": steps, "seq": 256, "eval_batches": len(batch_losses)},
+           "model": {"layers": 5, "d_model": 128}, "data": {"sha256_train": "a", "sha256_val": "b"}, "kernel": None}
+    (path / "config.json").write_text(json.dumps(cfg))
+    rows = []
+    for step in range(1, steps + 1):
+        r = {"step": step, "loss": 5.0 - step / steps, "tokens_per_s": tok_s}
+        if step % 50 == 0:
+            scale = 1 + (steps - step) / steps
+            r.update(val_loss=float(np.mean(batch_losses)) * scale,
+                     val_batch_losses=[v * scale for v in batch_losses])
+        rows.append(r)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "summary.json").write_text(json.dumps({"steps": steps, "tokens_per_s_median": tok_s,
+                                                   "weight_bytes_per_rank": weight_bytes,
+                                                   "peak_rss_bytes_per_rank": [100, 120]}))
+    if finetune is not None:
+        (path / "finetune.json").write_text(json.dumps({"task": "wordnet", "seeds": [0, 1, 2, 3],
+                                                        "accuracy": finetune}))
+    return path
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ds_nvfp4", "compare", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+BASE = list(np.random.default_rng(0).normal(2.5, 0.05, 32))
+
+
+def test_pass(tmp_path: Path) -> None:
+    a = make_run(tmp_path / "bf16", BASE)
+    b = make_run(tmp_path / "nvfp4", [v * 1.002 for v in BASE], tok_s=500.0, weight_bytes=300)
+    r = run(str(a), str(b))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads((b / "report.json").read_text())
+    assert rep["verdict"] == "pass" and abs(rep["criteria"][0]["value"] - 0.002) < 1e-9
+    assert rep["ratios"]["tokens_per_s"] == 0.5 and rep["ratios"]["weight_bytes_per_rank"] == 0.3
+    assert rep["criteria"][1]["verdict"] == "not measured"
+    assert (b / "report.png").read_bytes()[:4] == b"\x89PNG"
+    md = (b / "report.md").read_text()
+    assert "PASS" in md and "| 100 |" in md and "report.png" in md
+
+
+def test_fail(tmp_path: Path) -> None:
+    a = make_run(tmp_path / "bf16", BASE)
+    b = make_run(tmp_path / "nvfp4", [v * 1.05 for v in BASE])
+    assert run(str(a), str(b)).returncode == 1
+
+
+def test_inconclusive_when_the_interval_straddles_the_threshold(tmp_path: Path) -> None:
+    noise = np.random.default_rng(1).normal(0.0, 0.05, 32)
+    a = make_run(tmp_path / "bf16", BASE)
+    b = make_run(tmp_path / "nvfp4", [v * (1.01 + n) for v, n in zip(BASE, noise)])
+    r = run(str(a), str(b), "--out", str(tmp_path / "rep"))
+    assert r.returncode == 3, r.stdout
+    crit = json.loads((tmp_path / "rep" / "report.json").read_text())["criteria"][0]
+    assert crit["ci"][0] < 0.01 < crit["ci"][1]
+
+
+def test_downstream_criterion(tmp_path: Path) -> None:
+    a = make_run(tmp_path / "bf16", BASE, finetune=[0.50, 0.51, 0.505, 0.502])
+    b = make_run(tmp_path / "nvfp4", [v * 1.001 for v in BASE], finetune=[0.499, 0.508, 0.504, 0.500])
+    r = run(str(a), str(b))
+    crit = json.loads((b / "report.json").read_text())["criteria"][1]
+    assert crit["verdict"] == "pass" and crit["value"] == pytest.approx(0.15, abs=1e-9), r.stdout
+
+
+@pytest.mark.parametrize("field, value, needle", [("seed", 1, "--seed"), ("steps", 50, "--steps")])
+def test_incomparable_runs_are_refused(tmp_path: Path, field: str, value, needle: str) -> None:
+    a = make_run(tmp_path / "bf16", BASE)
+    b = make_run(tmp_path / "nvfp4", BASE, **{field: value})
+    r = run(str(a), str(b))
+    assert r.returncode == 2 and needle in r.stderr
+
+
+def test_missing_run_is_exit_2(tmp_path: Path) -> None:
+    r = run(str(tmp_path / "nope"), str(tmp_path / "nope2"))
+    assert r.returncode == 2 and "config.json: missing" in r.stderr
