@@ -27,16 +27,7 @@ def storage_report(engine):
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConfigError",
-    "ConversionReport",
-    "NVFP4Linear",
-    "NVFP4Tensor",
-    "PrecisionConfig",
-    "__version__",
-    "convert_model",
-    "dequantize",
-    "hadamard",
-    "inverse_hadamard",
-    "load_config",
-    "quantize",
+    "ConfigError", "ConversionReport", "NVFP4Linear", "NVFP4Tensor", "PrecisionConfig", "__version__",
+    "convert_model", "data", "dequantize", "hadamard", "initialize", "inverse_hadamard", "load_config", "quantize",
+    "storage_report",
 ]

@@ -1,4 +1,7 @@
-"""`ds-nvfp4 compare BASELINE_RUN NVFP4_RUN`: the acceptance report; exit 0 pass, 1 fail, 3 inconclusive, 2 bad input."""
+"""`ds-nvfp4 compare BASELINE_RUN NVFP4_RUN`: the acceptance report.
+
+Exit 0 pass, 1 fail, 3 inconclusive, 2 bad input.
+"""
 
 from __future__ import annotations
 

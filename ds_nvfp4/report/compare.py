@@ -157,7 +157,9 @@ def write(rep: Report, out_dir: str | Path) -> dict[str, Path]:
              f"- baseline: `{rep.baseline}`", f"- candidate: `{rep.candidate}`", "",
              "| criterion | gap | 95% CI | threshold | verdict |", "|---|---|---|---|---|"]
     for c in rep.criteria:
-        fmt = (lambda v: f"{v:+.3%}") if c.unit == "relative" else (lambda v: f"{v:+.2f} {c.unit}")
+        def fmt(v: float, c: Criterion = c) -> str:
+            return f"{v:+.3%}" if c.unit == "relative" else f"{v:+.2f} {c.unit}"
+
         gap = fmt(c.value) if c.value is not None else "-"
         ci = f"[{fmt(c.ci[0])}, {fmt(c.ci[1])}]" if c.ci else "-"
         thr = f"{c.threshold:.1%}" if c.unit == "relative" else f"{c.threshold} {c.unit}"
