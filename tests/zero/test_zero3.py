@@ -117,3 +117,14 @@ def test_config_from_args_and_plain_deepspeed_when_disabled() -> None:
         assert nv["has_state"] and nv["fp4_layers"] == 8 and nv["report"]
         assert not bf["has_state"] and bf["fp4_layers"] == 0 and not bf["report"]
         assert math.isfinite(nv["loss"]) and math.isfinite(bf["loss"])
+
+
+@pytest.mark.parametrize("override", [{"zero_optimization.offload_param": {"device": "cpu"}},
+                                      {"zero_optimization.zero_hpz_partition_size": 2}],
+                         ids=["offload_param", "hpz"])
+def test_offload_param_and_hpz(override: dict, bf16_gather) -> None:
+    res = run_ranks("train", steps=3, config=override)
+    for r, ref in zip(res, bf16_gather):
+        assert r["report"]["packed_params"] == 7
+        assert all(v["equal"] for v in r["after"].values() if v["packed"])
+        assert r["losses"] == ref["losses"][:3]  # same numbers as the plain ZeRO-3 run
