@@ -1,0 +1,48 @@
+"""`ds-nvfp4 env [--config FILE] [--json]`: the environment check (exit 1 when the config cannot run here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("env", help="does this node run NVFP4 natively, and if not, why",
+                       description="Exit 0: ok (and the --config precision can run here); 1: it cannot.")
+    p.add_argument("--config", help="a ds_config whose precision section must be able to run here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..envcheck import report
+
+    rep = report(args.config)
+    ok = rep.get("config", {}).get("runs_here", True)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return 0 if ok else 1
+    hw, sw = rep["hardware"], rep["software"]
+    print(f"node {rep['node']}")
+    print(f"  hardware   {hw['name']} ({hw['device']})"
+          + (f", sm {hw['compute_capability']}, {hw['memory_gib']} GiB x {hw['gpus']}" if hw["device"] == "cuda"
+             else f", {hw.get('threads')} threads"))
+    print(f"  FP4 cores  {'yes' if hw['fp4_tensor_cores'] else 'no'}: {hw['fp4_reason']}")
+    ds_note = "" if sw["deepspeed_in_tested_range"] else f" (OUTSIDE the tested range {sw['deepspeed_tested_range']})"
+    print(f"  software   python {sw['python']}, torch {sw['torch']} (CUDA {sw['torch_cuda']}), deepspeed "
+          f"{sw['deepspeed']}{ds_note}, transformer-engine {sw['transformer_engine'] or 'not installed'}")
+    print(f"  comm       gloo {'yes' if sw['gloo'] else 'no'}, nccl {'yes' if sw['nccl'] else 'no'}"
+          f"{' ' + sw['nccl_version'] if sw['nccl_version'] else ''}, mpi4py {sw['mpi']['mpi4py'] or 'not installed'}"
+          f"{' (' + sw['mpi']['library'] + ')' if sw['mpi']['library'] else ''}")
+    print(f"  kernel     null picks {rep['default_kernel']['name']}: {rep['default_kernel']['reason']}")
+    print("  smoke test (quantize + 128x64x256 FP4 GEMM vs the exact emulation):")
+    for row in rep["smoke_test"]:
+        if row["available"]:
+            print(f"    {row['backend']:18s} ok  {row['ms']:8.3f} ms  matches emulated: {row['matches_emulated']}, "
+                  f"rel. error vs FP32 {row['rel_error_vs_fp32']:.3f}")
+        else:
+            print(f"    {row['backend']:18s} --  {row['reason']}")
+    if "config" in rep:
+        c = rep["config"]
+        print(f"  config     {c['file']}: {'OK' if c['runs_here'] else 'CANNOT RUN'}: {c['reason']}")
+    return 0 if ok else 1

@@ -1,0 +1,129 @@
+"""`ds-nvfp4 env`: does this node run NVFP4 natively, and if not, why (hardware, software, a smoke test)."""
+
+from __future__ import annotations
+
+import platform
+import time
+from typing import Any
+
+import torch
+
+from .kernels import availability, decide, fp4_tensor_cores, get_backend, probe
+
+
+def _version(dist: str) -> str | None:
+    """Installed version of a distribution, without importing it (DeepSpeed prints on import)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def hardware() -> dict[str, Any]:
+    info = probe()
+    cores, why = fp4_tensor_cores(info)
+    out: dict[str, Any] = {"device": info.device_type, "name": info.name, "fp4_tensor_cores": cores, "fp4_reason": why}
+    if info.device_type == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        out.update(compute_capability=f"{info.capability[0]}.{info.capability[1]}",
+                   memory_gib=round(props.total_memory / 2**30, 1), gpus=torch.cuda.device_count())
+    else:
+        out.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    return out
+
+
+def software() -> dict[str, Any]:
+    from .zero.guard import TESTED_RANGE
+
+    ds = _version("deepspeed")
+    in_range = None
+    if ds:
+        from packaging.version import Version
+
+        in_range = TESTED_RANGE[0] <= Version(ds.split("+")[0]) < TESTED_RANGE[1]
+    mpi = {"mpi4py": _version("mpi4py"), "library": None}
+    if mpi["mpi4py"]:
+        try:
+            from mpi4py import MPI
+
+            mpi["library"] = MPI.Get_library_version().strip().splitlines()[0]
+        except Exception as exc:  # mpi4py present but no MPI runtime: that is the answer
+            mpi["library"] = f"unavailable ({exc})"
+    dist = torch.distributed.is_available()
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "deepspeed": ds, "deepspeed_in_tested_range": in_range,
+        "deepspeed_tested_range": f"{TESTED_RANGE[0]} <= v < {TESTED_RANGE[1]}",
+        "transformer_engine": _version("transformer-engine") or _version("transformer_engine"), "mpi": mpi,
+        "gloo": dist and torch.distributed.is_gloo_available(),
+        "nccl": dist and torch.distributed.is_nccl_available(),
+        "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+    }
+
+
+def smoke_test() -> list[dict[str, Any]]:
+    """Quantize + a 128x64x256 GEMM through every available backend, compared with `emulated`."""
+    from .format import quantize
+
+    info = probe()
+    dev = torch.device("cuda", torch.cuda.current_device()) if info.device_type == "cuda" else torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    a_src, b_src = torch.randn(128, 256, generator=g).to(dev), torch.randn(64, 256, generator=g).to(dev)
+    a, b = quantize(a_src), quantize(b_src, block="16x16")
+    ref = get_backend("emulated").mm(a, b, torch.float32)
+    exact = a_src @ b_src.t()
+    out = []
+    for name, (ok, why) in availability(info).items():
+        row: dict[str, Any] = {"backend": name, "available": ok, "reason": why}
+        if ok:
+            try:
+                t0 = time.perf_counter()
+                got = get_backend(name).mm(a, b, torch.float32)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                row["ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+                row["max_abs_diff_vs_emulated"] = float((got - ref).abs().max())
+                row["matches_emulated"] = bool(torch.allclose(got, ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max())))
+                row["rel_error_vs_fp32"] = float((got - exact).norm() / exact.norm())
+            except Exception as exc:
+                row.update(available=False, reason=f"smoke test failed: {type(exc).__name__}: {exc}")
+        out.append(row)
+    return out
+
+
+def check_config(path: str) -> tuple[bool, str]:
+    """Can the precision section of ``path`` run on this node? (ok, reason)."""
+    from .config import ConfigError, UnreadableConfig, load_config
+    from .kernels import BackendUnavailable
+
+    try:
+        ds, pc = load_config(path)
+    except (ConfigError, UnreadableConfig) as exc:
+        return False, str(exc)
+    if not pc.enabled:
+        return True, "precision.enabled is false: plain DeepSpeed"
+    try:
+        sel = decide(probe(), pc.kernel)
+    except BackendUnavailable as exc:
+        return False, str(exc)
+    sw = software()
+    if pc.weights.storage == "nvfp4" and ds.get("zero_optimization", {}).get("stage") == 3:
+        if not sw["deepspeed"]:
+            return False, "DeepSpeed is not installed"
+        if not sw["deepspeed_in_tested_range"]:
+            return False, (f"DeepSpeed {sw['deepspeed']} is outside {sw['deepspeed_tested_range']} (packed ZeRO-3 "
+                           "storage relies on its internals); set DS_NVFP4_ALLOW_UNTESTED_DEEPSPEED=1 to try")
+    return True, f"runs here: {sel.describe()}"
+
+
+def report(config: str | None = None) -> dict[str, Any]:
+    hw, sw = hardware(), software()
+    sel = decide(probe(), None)
+    out = {"node": platform.node(), "hardware": hw, "software": sw,
+           "default_kernel": {"name": sel.name, "reason": sel.reason}, "smoke_test": smoke_test()}
+    if config:
+        ok, why = check_config(config)
+        out["config"] = {"file": config, "runs_here": ok, "reason": why}
+    return out

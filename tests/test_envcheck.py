@@ -1,0 +1,47 @@
+"""`ds-nvfp4 env`: the report's fields, the smoke test, and the exit status for a config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+PRESETS = Path(__file__).resolve().parents[1] / "ds_configs"
+
+
+def env(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ds_nvfp4", "env", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_json_report() -> None:
+    r = env("--json", "--config", str(PRESETS / "nvfp4_zero3.json"))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["software"]["torch"] == torch.__version__ and rep["software"]["gloo"] is True
+    emulated = next(row for row in rep["smoke_test"] if row["backend"] == "emulated")
+    assert emulated["available"] and emulated["matches_emulated"] and 0.05 < emulated["rel_error_vs_fp32"] < 0.3
+    assert rep["config"]["runs_here"] is True
+    if not torch.cuda.is_available():
+        assert rep["hardware"]["fp4_tensor_cores"] is False and rep["default_kernel"]["name"] == "emulated"
+        assert all(not row["available"] for row in rep["smoke_test"] if row["backend"] != "emulated")
+
+
+def test_config_that_cannot_run_here_exits_1(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        return
+    cfg = json.loads((PRESETS / "nvfp4_zero3.json").read_text())
+    cfg["precision"]["kernel"] = "torch"
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(cfg))
+    r = env("--config", str(f))
+    assert r.returncode == 1 and "CANNOT RUN" in r.stdout and "no CUDA device" in r.stdout
+
+
+def test_invalid_config_exits_1(tmp_path: Path) -> None:
+    f = tmp_path / "bad.json"
+    f.write_text('{"precision": {"enabled": true}}')
+    r = env("--config", str(f))
+    assert r.returncode == 1 and "bf16.enabled: true" in r.stdout
