@@ -33,6 +33,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q torchao --no-deps
 	$(BIN)/python bench/quantize.py
+	$(BIN)/python bench/gemm.py
+	$(BIN)/python bench/zero.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
+from _timing import median_seconds
 from torch import nn
 
 import ds_nvfp4
@@ -26,14 +25,7 @@ def fwd_bwd_time(layer: nn.Module, x: torch.Tensor, repeats: int) -> float:
         layer.zero_grad(set_to_none=True)
         layer(xi).backward(g)
 
-    once()
-    once()  # warm-up: compiles the format kernels on CPU
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(once, repeats)
 
 
 def main() -> None:

@@ -8,25 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from _timing import median_seconds as timeit
 
 import ds_nvfp4
-
-
-def timeit(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``repeats`` calls after two warm-up calls (compilation happens there)."""
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
