@@ -194,6 +194,7 @@ def main() -> None:
 
     if rank == 0:
         resolved = {"args": {k: v for k, v in vars(args).items() if k != "local_rank"}, "ds_config": ds_config,
+                    "script": str(Path(__file__).resolve()),
                     "world_size": world, "model": {"layers": layers, "d_model": d, "heads": heads, "params": n_params},
                     "data": meta, "precision": state.precision.model_dump() if state else None,
                     "kernel": state.selection.describe() if state else None, "torch": torch.__version__,

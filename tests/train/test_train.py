@@ -63,3 +63,17 @@ def test_run_directory_and_resume(data: Path, tmp_path: Path) -> None:
     (run / "ckpt" / "latest").write_text("step4")
     resumed = train(data, run, "nvfp4_zero3.json", extra=("--resume",))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+
+
+def test_finetune_writes_per_seed_accuracies(data: Path, tmp_path: Path) -> None:
+    from ds_nvfp4.finetune import finetune, wordnet_examples
+
+    run = tmp_path / "pre"
+    train(data, run, "nvfp4_zero3.json", steps=4)
+    examples = wordnet_examples(ROOT / "tests" / "fixtures" / "wordnet")  # a 1/400 sample of Debian's wordnet-base
+    assert len(examples[0]) > 100 and all(0 <= y < 45 for _, y in examples[0] + examples[1])
+    res = finetune(run, "wordnet", seeds=(0, 1), steps=10, batch=16, data=examples, progress=False)
+    saved = json.loads((run / "finetune.json").read_text())
+    assert saved == res and len(res["accuracy"]) == 2 and all(0.0 <= a <= 1.0 for a in res["accuracy"])
+    again = finetune(run, "wordnet", seeds=(0,), steps=10, batch=16, data=examples, progress=False)
+    assert again["accuracy"][0] == res["accuracy"][0]  # same seed, same recipe: same number

@@ -1,0 +1,34 @@
+"""`ds-nvfp4 finetune RUN_DIR --task {wordnet,sentiment}`: the downstream check, several seeds."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("finetune", help="fine-tune a pretrained run on an offline classification task (several "
+                                        "seeds); writes RUN_DIR/finetune.json for `compare`")
+    p.add_argument("run_dir")
+    p.add_argument("--task", choices=("wordnet", "sentiment"), default="wordnet")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--test-examples", type=int, default=4000)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..finetune import FinetuneError, finetune
+
+    try:
+        res = finetune(args.run_dir, args.task, tuple(args.seeds), args.steps, args.batch, lr=args.lr,
+                       test_examples=args.test_examples)
+    except FinetuneError as exc:
+        print(f"ds-nvfp4 finetune: {exc}", file=sys.stderr)
+        return 2
+    accs = ", ".join(f"{a:.4f}" for a in res["accuracy"])
+    print(f"{args.run_dir}: {args.task} accuracy per seed {res['seeds']}: {accs} "
+          f"({res['test_examples']} test examples)")
+    return 0
