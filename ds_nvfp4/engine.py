@@ -41,7 +41,10 @@ def _resolve_config(bound: inspect.BoundArguments) -> tuple[str, Any]:
     args = bound.arguments.get("args")
     path = getattr(args, "deepspeed_config", None) if args is not None else None
     if path is None:
-        raise ConfigError([], "no ds_config given: pass config=..., config_params=... or args.deepspeed_config")
+        from .config import Problem
+
+        raise ConfigError([Problem("(config)", "no ds_config given: pass config=..., config_params=... or "
+                                               "args.deepspeed_config")])
     return "args", path
 
 

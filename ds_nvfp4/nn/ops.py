@@ -21,8 +21,6 @@ from ..format import NVFP4Tensor, hadamard, inverse_hadamard, quantize
 from ..kernels import get_backend
 from .recipe import Recipe
 
-_EMPTY = torch.empty(0)
-
 
 def _pad_rows(t: torch.Tensor, multiple: int = 16) -> torch.Tensor:
     """Zero rows appended so the row count is a multiple of 16 (zeros add nothing to a GEMM)."""
@@ -87,7 +85,8 @@ def _linear_bwd(grad, x, w_data, w_scale, w_amax, recipe: str, x_dtype, w_dtype,
     n, k = w_data.shape[0], w_data.shape[1] * 2
     wq = NVFP4Tensor(w_data, w_scale, w_amax, torch.Size((n, k)), r.weight_block)
     backend = get_backend(r.kernel)
-    dx = dw = db = _EMPTY
+    # an unneeded gradient is a fresh empty tensor: custom-op outputs must not alias each other
+    dx, dw, db = grad.new_empty(0), grad.new_empty(0), grad.new_empty(0)
     if r.backward_gemm == "bf16":
         if need_dx:
             w_used = wq.dequantize(torch.bfloat16)

@@ -335,8 +335,17 @@ class NVFP4Store:
             if not async_op:
                 store._release(mine)
                 return ret
-            return [_ReleaseHandle(h, (lambda: store._release(mine)) if i == len(ret) - 1 else (lambda: None))
-                    for i, h in enumerate(ret)]
+            # the transients may be read by any of the handles: drop them once every handle has waited
+            pending = {"left": len(ret)}
+
+            def one_done() -> None:
+                pending["left"] -= 1
+                if pending["left"] == 0:
+                    store._release(mine)
+
+            if not ret:
+                store._release(mine)
+            return [_ReleaseHandle(h, one_done) for h in ret]
 
         def partition(param_list=None, hierarchy: int = 0, has_been_updated: bool = False, free_data: bool = True):
             params = [p] if param_list is None else list(param_list)

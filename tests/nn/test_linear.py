@@ -148,3 +148,16 @@ def test_tiny_model_trains(recipe: dict) -> None:
 def test_shape_errors_name_the_shape() -> None:
     with pytest.raises(ValueError, match="multiple of 16"):
         make(k=24)(torch.randn(3, 24))
+
+
+@pytest.mark.parametrize("backward_gemm", ["bf16", "nvfp4"])
+def test_only_the_needed_gradients(backward_gemm: str) -> None:
+    """Input without grad and no bias: the backward op returns empty placeholders for dX and db."""
+    lin = make(bias=False, backward_gemm=backward_gemm)
+    x = torch.randn(9, 64)
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.shape == (48, 64)
+    lin.weight.requires_grad_(False)
+    xg = x.clone().requires_grad_()
+    lin(xg).sum().backward()
+    assert xg.grad.shape == x.shape
