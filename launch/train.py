@@ -275,11 +275,12 @@ def _weight_bytes(all_storage: list, engine) -> int:
 
 
 def _mpi_env_to_torch_env() -> None:
-    """Under plain `mpirun` (no deepspeed launcher), map Open MPI's rank variables to torch's."""
-    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" in os.environ:
-        os.environ["RANK"] = os.environ["OMPI_COMM_WORLD_RANK"]
-        os.environ["WORLD_SIZE"] = os.environ["OMPI_COMM_WORLD_SIZE"]
-        os.environ["LOCAL_RANK"] = os.environ["OMPI_COMM_WORLD_LOCAL_RANK"]
+    """Under plain `mpirun` or `srun` (no deepspeed launcher), map the rank variables to torch's."""
+    for prefix, names in (("OMPI_COMM_WORLD_", ("RANK", "SIZE", "LOCAL_RANK")),
+                          ("SLURM_", ("PROCID", "NTASKS", "LOCALID"))):
+        if "RANK" not in os.environ and f"{prefix}{names[0]}" in os.environ:
+            for torch_name, name in zip(("RANK", "WORLD_SIZE", "LOCAL_RANK"), names):
+                os.environ[torch_name] = os.environ[f"{prefix}{name}"]
 
 
 if __name__ == "__main__":

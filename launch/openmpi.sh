@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Multi-node training over Open MPI, two ways:
+#   MODE=launcher HOSTFILE=hosts launch/openmpi.sh [train.py args]   # deepspeed --launcher openmpi
+#   MODE=mpirun   HOSTFILE=hosts NP=4 launch/openmpi.sh [args]        # plain mpirun; ranks from OMPI_COMM_WORLD_*
+# Environment: HOSTFILE (required), CONFIG, SCRIPT, NP (mpirun mode: total ranks; default: sum of slots),
+# GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (also used for --mca btl_tcp_if_include), MASTER_PORT, MPI_ARGS.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+
+MODE=${MODE:-launcher}
+check_hostfile "${HOSTFILE:-}"
+need_cmd mpirun "apt-get install openmpi-bin"
+check_ssh "$HOSTFILE"
+iface=${GLOO_SOCKET_IFNAME:-${NCCL_SOCKET_IFNAME:-}}
+check_iface "$iface" "$HOSTFILE"
+env_check_local
+port=${MASTER_PORT:-$(free_port)}
+master=$(hosts_of "$HOSTFILE" | head -n 1)
+# Open MPI as root needs --allow-run-as-root; pick the interface ourselves (DeepSpeed would add eth0, which may not
+# exist: two hosts then crash in MPI_Bcast)
+mpi_args="--allow-run-as-root ${iface:+--mca btl_tcp_if_include $iface} ${MPI_ARGS:-}"
+case "$MODE" in
+  launcher)
+    cmd=("$BIN/deepspeed" --hostfile "$HOSTFILE" --force_multi --launcher openmpi "--launcher_args=$mpi_args"
+         --master_addr "$master" --master_port "$port" "$SCRIPT" --deepspeed_config "$CONFIG" "$@") ;;
+  mpirun)
+    "$BIN/python" -c "import mpi4py" 2>/dev/null || die "mpi4py is not installed in $BIN (pip install '.[mpi]')"
+    np=${NP:-$(grep -v -E '^\s*(#|$)' "$HOSTFILE" | sed -E 's/.*slots=([0-9]+).*/\1/' | paste -sd+ | bc)}
+    mpi_hosts=$(mktemp)
+    grep -v -E '^\s*(#|$)' "$HOSTFILE" > "$mpi_hosts"
+    # explicit MASTER_ADDR/PORT: DeepSpeed's MPI discovery would take `hostname -I` and the fixed port 29500
+    # shellcheck disable=SC2086
+    cmd=(mpirun -np "$np" --hostfile "$mpi_hosts" $mpi_args -x MASTER_ADDR="$master" -x MASTER_PORT="$port"
+         -x PATH -x PYTHONPATH="$REPO" -x OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+         ${GLOO_SOCKET_IFNAME:+-x GLOO_SOCKET_IFNAME} ${NCCL_SOCKET_IFNAME:+-x NCCL_SOCKET_IFNAME}
+         "$BIN/python" "$SCRIPT" --deepspeed_config "$CONFIG" "$@") ;;
+  *) die "MODE=$MODE: allowed values are launcher, mpirun" ;;
+esac
+echo "running: ${cmd[*]}"
+exec "${cmd[@]}"

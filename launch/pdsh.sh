@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Multi-node training with DeepSpeed's default launcher (pdsh over ssh):
+#   HOSTFILE=hosts launch/pdsh.sh [train.py args...]
+# Environment: HOSTFILE (required), CONFIG (default ds_configs/nvfp4_zero3.json), SCRIPT (launch/train.py),
+# NUM_GPUS (per node; default: the hostfile's slots), GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, MASTER_PORT.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+
+check_hostfile "${HOSTFILE:-}"
+need_cmd pdsh "apt-get install pdsh"
+check_ssh "$HOSTFILE"
+check_iface "${GLOO_SOCKET_IFNAME:-${NCCL_SOCKET_IFNAME:-}}" "$HOSTFILE"
+write_deepspeed_env "$REPO/.deepspeed_env"
+export DS_ENV_FILE="$REPO/.deepspeed_env"
+for h in $(hosts_of "$HOSTFILE"); do   # the environment check on every node, before training starts
+  timeout 300 ssh -o BatchMode=yes "$h" "cd $REPO && $BIN/ds-nvfp4 env --config $CONFIG" \
+    || die "ds-nvfp4 env says $CONFIG cannot run on $h"
+done
+port=${MASTER_PORT:-$(free_port)}
+cmd=("$BIN/deepspeed" --hostfile "$HOSTFILE" --master_port "$port" "$SCRIPT" --deepspeed_config "$CONFIG" "$@")
+[ -n "${NUM_GPUS:-}" ] && cmd=("$BIN/deepspeed" --hostfile "$HOSTFILE" --num_gpus "$NUM_GPUS" --master_port "$port"
+  "$SCRIPT" --deepspeed_config "$CONFIG" "$@")
+echo "running: ${cmd[*]}"
+exec "${cmd[@]}"
