@@ -6,7 +6,8 @@ Exit 0 pass, 1 fail, 3 inconclusive, 2 bad input.
 from __future__ import annotations
 
 import argparse
-import sys
+
+from ._common import bad_input
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,8 +28,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         rep = compare(args.baseline, args.candidate, args.loss_gap, args.acc_gap)
     except CompareError as exc:
-        print(f"ds-nvfp4 compare: {exc}", file=sys.stderr)
-        return 2
+        return bad_input("compare", exc)
     paths = write(rep, args.out or args.candidate)
     for c in rep.criteria:
         gap = "-" if c.value is None else (f"{c.value:+.3%}" if c.unit == "relative" else f"{c.value:+.2f} {c.unit}")

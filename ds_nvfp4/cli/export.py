@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
+
+from ._common import bad_input
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,8 +24,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = export(args.checkpoint_dir, args.out_dir, args.format, args.tag)
     except ExportError as exc:
-        print(f"ds-nvfp4 export: {exc}", file=sys.stderr)
-        return 2
+        return bad_input("export", exc)
     print(f"wrote {', '.join(summary['files'])} to {args.out_dir}: {len(summary['nvfp4_layers'])} layers NVFP4, "
           f"{len(summary['bf16_layers'])} BF16 ({summary['format']})")
     return 0

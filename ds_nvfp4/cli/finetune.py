@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
+
+from ._common import bad_input
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,8 +27,7 @@ def run(args: argparse.Namespace) -> int:
         res = finetune(args.run_dir, args.task, tuple(args.seeds), args.steps, args.batch, lr=args.lr,
                        test_examples=args.test_examples)
     except FinetuneError as exc:
-        print(f"ds-nvfp4 finetune: {exc}", file=sys.stderr)
-        return 2
+        return bad_input("finetune", exc)
     accs = ", ".join(f"{a:.4f}" for a in res["accuracy"])
     print(f"{args.run_dir}: {args.task} accuracy per seed {res['seeds']}: {accs} "
           f"({res['test_examples']} test examples)")
