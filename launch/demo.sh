@@ -16,6 +16,7 @@ for run in bf16:bf16_zero3 nvfp4:nvfp4_zero3; do
   name=${run%%:*}
   preset=${run#*:}
   echo "== $name: $MODEL model, $STEPS steps, 2 ranks, ds_configs/$preset.json"
+  rm -rf "${OUT:?}/$name"  # a fresh run directory: a stale summary.json must not hide a failed run
   "$BIN/deepspeed" --num_gpus 2 --master_port "$port" launch/train.py \
     --deepspeed_config "ds_configs/$preset.json" --model "$MODEL" --steps "$STEPS" --eval-interval 50 \
     --out "$OUT/$name" || true
