@@ -15,6 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+#: fewest paired fine-tune seeds the downstream criterion judges on
+MIN_SEEDS = 4
+
 
 class CompareError(ValueError):
     """The two runs cannot be compared (different data, seed, steps or model): exit status 2."""
@@ -139,8 +142,12 @@ def _downstream(base: Path, cand: Path, threshold: float) -> Criterion:
     diffs = [100 * (x - y) for x, y in zip(a["accuracy"], b["accuracy"])]  # baseline minus candidate, points
     gap = float(np.mean(diffs))
     ci = paired_bootstrap(a["accuracy"], b["accuracy"], lambda x, y: 100 * (x.mean() - y.mean()))
-    return Criterion("downstream accuracy gap", gap, ci, threshold, _verdict(ci, threshold), "points",
-                     f"{a['task']}, {len(diffs)} seeds, paired bootstrap 95% CI (baseline minus NVFP4)")
+    note = f"{a['task']}, {len(diffs)} seeds, paired bootstrap 95% CI (baseline minus NVFP4)"
+    verdict = _verdict(ci, threshold)
+    if len(diffs) < MIN_SEEDS:  # a bootstrap over 2-3 pairs has a handful of distinct resamples: no verdict
+        verdict = "inconclusive"
+        note += f"; fewer than {MIN_SEEDS} seeds, so no verdict"
+    return Criterion("downstream accuracy gap", gap, ci, threshold, verdict, "points", note)
 
 
 def write(rep: Report, out_dir: str | Path) -> dict[str, Path]:

@@ -92,3 +92,13 @@ def test_incomparable_runs_are_refused(tmp_path: Path, field: str, value, needle
 def test_missing_run_is_exit_2(tmp_path: Path) -> None:
     r = run(str(tmp_path / "nope"), str(tmp_path / "nope2"))
     assert r.returncode == 2 and "config.json: missing" in r.stderr
+
+
+def test_too_few_seeds_is_inconclusive(tmp_path: Path) -> None:
+    a = make_run(tmp_path / "bf16", BASE, finetune=[0.50, 0.51, 0.505])
+    b = make_run(tmp_path / "nvfp4", [v * 1.001 for v in BASE], finetune=[0.50, 0.51, 0.505])
+    for f, acc in ((a, [0.50, 0.51, 0.505]), (b, [0.50, 0.51, 0.505])):
+        (f / "finetune.json").write_text(json.dumps({"task": "wordnet", "seeds": [0, 1, 2], "accuracy": acc}))
+    r = run(str(a), str(b))
+    crit = json.loads((b / "report.json").read_text())["criteria"][1]
+    assert crit["verdict"] == "inconclusive" and "fewer than 4 seeds" in crit["note"] and r.returncode == 3
