@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ConfigError, PrecisionConfig, load_config
+from .config import ConfigError, PrecisionConfig, Problem, load_config
 from .kernels import Selection, select
 from .nn import ConversionReport, StatsCollector, convert_model
 
@@ -41,8 +41,6 @@ def _resolve_config(bound: inspect.BoundArguments) -> tuple[str, Any]:
     args = bound.arguments.get("args")
     path = getattr(args, "deepspeed_config", None) if args is not None else None
     if path is None:
-        from .config import Problem
-
         raise ConfigError([Problem("(config)", "no ds_config given: pass config=..., config_params=... or "
                                                "args.deepspeed_config")])
     return "args", path
@@ -157,14 +155,9 @@ def _check_zero_features(ds_config: dict) -> None:
                                                 '"bf16"'),
     ):
         if zero.get(key):
-            raise ConfigError([_problem(f"zero_optimization.{key}", f"cannot be combined with "
+            raise ConfigError([Problem(f"zero_optimization.{key}", f"cannot be combined with "
                                                                     f'precision.weights.storage: "nvfp4": {why}')])
 
-
-def _problem(path: str, msg: str):
-    from .config import Problem
-
-    return Problem(path, msg)
 
 
 def storage_report(engine):

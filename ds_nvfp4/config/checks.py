@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import typing
 from typing import Any
 
@@ -74,8 +75,6 @@ def _default_at(loc: tuple) -> str:
             node = node[k]
         except (KeyError, IndexError, TypeError):
             return "documented in docs/config.md"
-    import json
-
     return json.dumps(node)
 
 
@@ -108,8 +107,6 @@ def _pydantic_problem(err: dict) -> Problem:
 
 
 def _show(value: Any) -> str:
-    import json
-
     try:
         return json.dumps(value)
     except TypeError:

@@ -21,7 +21,7 @@ from .problems import Problem
 @contextlib.contextmanager
 def _quiet_deepspeed():
     """DeepSpeed logs its accelerator choice on import; validation output must stay clean."""
-    os.environ.setdefault("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu") if not _has_cuda() else "cuda")
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if _has_cuda() else "cpu")
     logger = logging.getLogger("DeepSpeed")
     old = logger.level
     logger.setLevel(logging.ERROR)

@@ -39,10 +39,8 @@ class LayerStats:
     def __init__(self) -> None:
         self.capture = False
         self.last: dict[str, float] = {}
-        self._recipe = None
 
     def observe_forward(self, x: torch.Tensor, weight: torch.Tensor, recipe, weight_amax) -> None:
-        self._recipe = recipe
         with torch.no_grad():
             xin = hadamard(x) if recipe.act_hadamard else x
             w = hadamard(weight) if recipe.act_hadamard else weight

@@ -175,8 +175,10 @@ class NVFP4Store:
         self.seconds = {"pack": 0.0, "dequantize_for_gather": 0.0}
         from deepspeed import comm as dist
         from deepspeed.accelerator import get_accelerator
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         self.dist = dist
+        self.not_available = ZeroParamStatus.NOT_AVAILABLE  # looked up once: _needs runs on every gather
         self.comm_device = torch.device(get_accelerator().current_device_name())
         for sid, params in enumerate(self.opt.fp16_groups):
             ws = dist.get_world_size(group=self.opt.sub_group_process_groups[sid])
@@ -276,12 +278,10 @@ class NVFP4Store:
 
     # ---- gather hooks ---------------------------------------------------------------------------------------
     def _needs(self, params) -> list[Entry]:
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
         out = []
         for p in params:
             e = self.entries.get(id(p))
-            if e is not None and e.packable and self.packed and p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+            if e is not None and e.packable and self.packed and p.ds_status == self.not_available:
                 out.append(e)
         return out
 

@@ -46,7 +46,7 @@ def test_scaled_mm_arguments() -> None:
     assert args.scale_a.dtype == torch.float8_e4m3fn and args.scale_a.numel() == 256 * 4
     assert args.scale_b.numel() == 128 * 4 and args.n == 40
     assert torch.equal(args.alpha, a.amax * b.amax * torch.tensor(1 / 2688**2))
-    # the padded operands multiply to the same product (zeros add nothing): check through the emulation
+    # the real codes sit unchanged at the start of the padded row (the padding is zero codes)
     a_data = args.a.view(torch.uint8)[:, :24]
     assert torch.equal(a_data, a.data)
 
