@@ -22,6 +22,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	bash tests/cluster/setup.sh
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)

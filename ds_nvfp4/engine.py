@@ -3,7 +3,9 @@
 Reads the ``precision`` section from the same ds_config (a path, a dict, or ``args.deepspeed_config``),
 validates it, converts the model's Linear layers, calls ``deepspeed.initialize`` unchanged, then (ZeRO-3 with
 ``weights.storage: "nvfp4"``) packs the weight partitions. With ``precision.enabled`` false or absent it *is*
-``deepspeed.initialize``: same arguments, same return tuple, nothing else happens.
+``deepspeed.initialize``: same arguments, same return tuple; the one thing added in both cases is unlinking
+DeepSpeed's CPU shared-memory all-reduce segments once every rank has mapped them (DeepSpeed leaks ~69 MB of
+``/dev/shm`` per rank and run otherwise; see ``zero/shm.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from .config import ConfigError, PrecisionConfig, Problem, load_config
 from .kernels import Selection, select
 from .nn import ConversionReport, StatsCollector, convert_model
+from .zero.shm import release_shm_workspace
 
 log = logging.getLogger("ds_nvfp4")
 
@@ -67,7 +70,9 @@ def initialize(*args, **kwargs):
     where, source = _resolve_config(bound)
     ds_config, precision = load_config(source)
     if not precision.enabled:
-        return deepspeed.initialize(*args, **kwargs)
+        result = deepspeed.initialize(*args, **kwargs)
+        release_shm_workspace()
+        return result
 
     ds_config = copy.deepcopy(ds_config)
     if precision.communication.reduce_scatter == "fp32":
@@ -99,6 +104,7 @@ def initialize(*args, **kwargs):
     else:
         bound.arguments[where] = ds_config
     engine, optimizer, loader, scheduler = deepspeed.initialize(*bound.args, **bound.kwargs)
+    release_shm_workspace()
 
     state = NVFP4State(precision, selection, conversion)
     if packed and stage == 3:

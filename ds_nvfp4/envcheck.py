@@ -46,6 +46,11 @@ def software() -> dict[str, Any]:
     mpi = {"mpi4py": _version("mpi4py"), "library": None}
     if mpi["mpi4py"]:
         try:
+            import mpi4py
+
+            # Only ask which library: MPI_Init here would abort under srun without PMI support, and would make
+            # this check a member of the job's MPI world under mpirun.
+            mpi4py.rc.initialize = mpi4py.rc.finalize = False
             from mpi4py import MPI
 
             mpi["library"] = MPI.Get_library_version().strip().splitlines()[0]

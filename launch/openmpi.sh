@@ -3,7 +3,8 @@
 #   MODE=launcher HOSTFILE=hosts launch/openmpi.sh [train.py args]   # deepspeed --launcher openmpi
 #   MODE=mpirun   HOSTFILE=hosts NP=4 launch/openmpi.sh [args]        # plain mpirun; ranks from OMPI_COMM_WORLD_*
 # Environment: HOSTFILE (required), CONFIG, SCRIPT, NP (mpirun mode: total ranks; default: sum of slots),
-# GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (also used for --mca btl_tcp_if_include), MASTER_PORT, MPI_ARGS.
+# GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME (also used for --mca btl_tcp_if_include), MASTER_ADDR, MASTER_PORT,
+# MPI_ARGS (extra mpirun arguments). mpirun mode without MASTER_ADDR/PORT needs mpi4py (pip install '.[mpi]').
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
@@ -14,7 +15,6 @@ check_ssh "$HOSTFILE"
 iface=${GLOO_SOCKET_IFNAME:-${NCCL_SOCKET_IFNAME:-}}
 check_iface "$iface" "$HOSTFILE"
 env_check_local
-port=${MASTER_PORT:-$(free_port)}
 master=$(hosts_of "$HOSTFILE" | head -n 1)
 # Open MPI as root needs --allow-run-as-root; pick the interface ourselves (DeepSpeed would add eth0, which may not
 # exist: two hosts then crash in MPI_Bcast)
@@ -22,17 +22,21 @@ mpi_args="--allow-run-as-root ${iface:+--mca btl_tcp_if_include $iface} ${MPI_AR
 case "$MODE" in
   launcher)
     cmd=("$BIN/deepspeed" --hostfile "$HOSTFILE" --force_multi --launcher openmpi "--launcher_args=$mpi_args"
-         --master_addr "$master" --master_port "$port" "$SCRIPT" --deepspeed_config "$CONFIG" "$@") ;;
+         --master_addr "${MASTER_ADDR:-$master}" --master_port "${MASTER_PORT:-$(free_port)}"
+         "$SCRIPT" --deepspeed_config "$CONFIG" "$@") ;;
   mpirun)
     "$BIN/python" -c "import mpi4py" 2>/dev/null || die "mpi4py is not installed in $BIN (pip install '.[mpi]')"
-    np=${NP:-$(grep -v -E '^\s*(#|$)' "$HOSTFILE" | sed -E 's/.*slots=([0-9]+).*/\1/' | paste -sd+ | bc)}
+    np=${NP:-$(grep -v -E '^\s*(#|$)' "$HOSTFILE" | sed -E 's/.*slots=([0-9]+).*/\1/' | awk '{s += $1} END {print s}')}
     mpi_hosts=$(mktemp)
     grep -v -E '^\s*(#|$)' "$HOSTFILE" > "$mpi_hosts"
-    # explicit MASTER_ADDR/PORT: DeepSpeed's MPI discovery would take `hostname -I` and the fixed port 29500
+    # Rendezvous: MASTER_ADDR/MASTER_PORT when you set them, else train.py asks mpi4py (rank 0's address on
+    # GLOO_SOCKET_IFNAME and a free port, broadcast); DeepSpeed's own discovery would use port 29500 unconditionally.
     # shellcheck disable=SC2086
-    cmd=(mpirun -np "$np" --hostfile "$mpi_hosts" $mpi_args -x MASTER_ADDR="$master" -x MASTER_PORT="$port"
+    cmd=(mpirun -np "$np" --hostfile "$mpi_hosts" $mpi_args
+         ${MASTER_ADDR:+-x MASTER_ADDR="$MASTER_ADDR"} ${MASTER_PORT:+-x MASTER_PORT="$MASTER_PORT"}
          -x PATH -x PYTHONPATH="$REPO" -x OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
          ${GLOO_SOCKET_IFNAME:+-x GLOO_SOCKET_IFNAME} ${NCCL_SOCKET_IFNAME:+-x NCCL_SOCKET_IFNAME}
+         ${DS_ACCELERATOR:+-x DS_ACCELERATOR} ${TORCH_EXTENSIONS_DIR:+-x TORCH_EXTENSIONS_DIR}
          "$BIN/python" "$SCRIPT" --deepspeed_config "$CONFIG" "$@") ;;
   *) die "MODE=$MODE: allowed values are launcher, mpirun" ;;
 esac

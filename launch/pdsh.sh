@@ -10,8 +10,15 @@ check_hostfile "${HOSTFILE:-}"
 need_cmd pdsh "apt-get install pdsh"
 check_ssh "$HOSTFILE"
 check_iface "${GLOO_SOCKET_IFNAME:-${NCCL_SOCKET_IFNAME:-}}" "$HOSTFILE"
-write_deepspeed_env "$REPO/.deepspeed_env"
-export DS_ENV_FILE="$REPO/.deepspeed_env"
+if [ -z "${DS_ENV_FILE:-}" ]; then  # pdsh ranks see only this file's variables (plus PYTHON*): generate one
+  DS_ENV_FILE=$(mktemp -t ds-nvfp4-env.XXXXXX)
+  write_deepspeed_env "$DS_ENV_FILE"
+fi
+[ -s "$DS_ENV_FILE" ] || die "DS_ENV_FILE=$DS_ENV_FILE is missing or empty"
+grep -q -E '^\s*$' "$DS_ENV_FILE" && die "DS_ENV_FILE=$DS_ENV_FILE has a blank line (DeepSpeed's parser breaks on it)"
+export DS_ENV_FILE
+echo "environment for the ranks ($DS_ENV_FILE):"
+sed 's/^/  /' "$DS_ENV_FILE"
 for h in $(hosts_of "$HOSTFILE"); do   # the environment check on every node, before training starts
   timeout 300 ssh -o BatchMode=yes "$h" "cd $REPO && $BIN/ds-nvfp4 env --config $CONFIG" \
     || die "ds-nvfp4 env says $CONFIG cannot run on $h"

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import resource
+import socket
 import sys
 import time
 from pathlib import Path
@@ -214,6 +215,7 @@ def main() -> None:
         bar = tqdm(total=args.steps, initial=start, desc=Path(args.out).name, unit="step", dynamic_ncols=True)
     tokens_per_step = micro * gas * world * args.seq
     log = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
+    my_losses = []  # every rank's view of the (all-reduced) loss: equal on all ranks, checked by the tests
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         if state is not None and state.stats is not None:
@@ -229,7 +231,8 @@ def main() -> None:
         step_time = time.perf_counter() - t0
         mean_loss = torch.tensor(loss_sum)
         torch.distributed.all_reduce(mean_loss)
-        record = {"step": step + 1, "loss": float(mean_loss) / world, "lr": scheduler.get_last_lr()[0],
+        my_losses.append(float(mean_loss) / world)
+        record = {"step": step + 1, "loss": my_losses[-1], "lr": scheduler.get_last_lr()[0],
                   "grad_norm": float(engine.get_global_grad_norm() or 0.0), "step_time": step_time,
                   "tokens_per_s": tokens_per_step / step_time}
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
@@ -253,12 +256,15 @@ def main() -> None:
 
     peak = [None] * world
     torch.distributed.all_gather_object(peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    ranks = [None] * world
+    torch.distributed.all_gather_object(ranks, {"rank": rank, **_where(), "losses": my_losses,
+                                                "storage": storage.summary() if storage else None})
     if rank == 0:
         bar.close()
         log.close()
         rows = [json.loads(ln) for ln in metrics_path.read_text().splitlines()]
         timed = [r["tokens_per_s"] for r in rows[min(5, len(rows) - 1):]]  # skip compile/warm-up steps
-        summary = {"steps": args.steps, "final": rows[-1], "peak_rss_bytes_per_rank": peak,
+        summary = {"steps": args.steps, "final": rows[-1], "peak_rss_bytes_per_rank": peak, "ranks": ranks,
                    "tokens_per_s_median": float(np.median(timed)), "params": n_params,
                    "weight_bytes_per_rank": _weight_bytes(all_storage, engine)}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -275,12 +281,62 @@ def _weight_bytes(all_storage: list, engine) -> int:
 
 
 def _mpi_env_to_torch_env() -> None:
-    """Under plain `mpirun` or `srun` (no deepspeed launcher), map the rank variables to torch's."""
+    """Under plain `mpirun` or `srun` (no deepspeed launcher), map the rank variables to torch's.
+
+    Under mpirun without MASTER_ADDR/MASTER_PORT, rank 0's address (on GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME when
+    set) and a free port on it are broadcast with mpi4py. DeepSpeed's own MPI discovery would take the first
+    ``hostname -I`` address and the fixed port 29500, which another job may hold.
+    """
     for prefix, names in (("OMPI_COMM_WORLD_", ("RANK", "SIZE", "LOCAL_RANK")),
                           ("SLURM_", ("PROCID", "NTASKS", "LOCALID"))):
         if "RANK" not in os.environ and f"{prefix}{names[0]}" in os.environ:
             for torch_name, name in zip(("RANK", "WORLD_SIZE", "LOCAL_RANK"), names):
                 os.environ[torch_name] = os.environ[f"{prefix}{name}"]
+    if "OMPI_COMM_WORLD_RANK" in os.environ and not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            raise SystemExit("train.py under mpirun needs MASTER_ADDR and MASTER_PORT (mpirun -x ...) or mpi4py "
+                             "to agree on them (pip install 'ds-nvfp4[mpi]')") from None
+        comm = MPI.COMM_WORLD
+        found = None
+        if comm.Get_rank() == 0:
+            found = (_local_address(), _free_port())
+            print(f"MPI discovery (mpi4py): MASTER_ADDR={found[0]} MASTER_PORT={found[1]}", flush=True)
+        os.environ["MASTER_ADDR"], port = comm.bcast(found, root=0)
+        os.environ["MASTER_PORT"] = str(port)
+
+
+def _local_address() -> str:
+    """IPv4 address of GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, else of this host's name."""
+    iface = os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("NCCL_SOCKET_IFNAME")
+    if not iface:
+        return socket.gethostbyname(socket.gethostname())
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:  # SIOCGIFADDR
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface[:15].encode()))
+        except OSError as exc:
+            raise SystemExit(f"socket interface {iface!r} (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME) has no IPv4 "
+                             f"address on {socket.gethostname()}: {exc}") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _where() -> dict:
+    """Where this rank runs: host name, network namespace, pid (multi-node tests check ranks are apart)."""
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = None
+    return {"host": socket.gethostname(), "netns": netns, "pid": os.getpid()}
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ def _tiles(x: torch.Tensor, block: str) -> torch.Tensor:
 @compiled
 def block_amax(x: torch.Tensor, block: str) -> torch.Tensor:
     """max |x| per block, float32: [M, nb] for 1x16, [M/16, nb] for 16x16. NaN propagates."""
-    t = _tiles(x, block).to(_F32).abs()
+    # abs() before the blocked view: the other order is one Inductor has miscompiled (see _compile.py).
+    t = _tiles(x.to(_F32).abs(), block)
     if block == "1x16":
         return t.amax(dim=-1)
     return t.amax(dim=(1, 3))

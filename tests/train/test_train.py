@@ -14,9 +14,14 @@ from tests.zero.harness import ROOT, spawn_ranks
 
 pytestmark = pytest.mark.slow
 GOLDEN = Path(__file__).with_name("golden_1m.json")
-#: Golden losses are bit-reproducible on one machine; across CPUs BLAS reductions may differ in the last bits,
-#: which a few steps amplify slightly. A numerical change to the FP4 path moves them by far more than this.
-TOLERANCE = 2e-3
+#: Golden losses are bit-reproducible on one machine, not across CPUs: oneDNN picks other BF16 GEMM kernels on a
+#: CPU without AVX512-BF16, and an FP4 code that flips at a rounding boundary then moves the next steps. Measured
+#: drift from the goldens (ONEDNN_MAX_CPU_ISA=AVX2 and =AVX512_CORE on the AVX512-BF16 machine that wrote them):
+#: <= 4e-4 at step 1, <= 3e-3 later. Step 1 is the forward of the same initial weights, so it is held tightly: the
+#: FP4 forward moves it by 7e-3 against BF16, any change to the format or GEMM by more than 1e-3. Later steps
+#: check the trajectory.
+TOLERANCE_FIRST = 1e-3
+TOLERANCE = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,8 @@ def test_golden_losses(data: Path, tmp_path: Path, preset: str) -> None:
     golden = json.loads(GOLDEN.read_text())[preset]
     assert len(losses) == len(golden)
     for step, (got, want) in enumerate(zip(losses, golden), 1):
-        assert abs(got - want) <= TOLERANCE, f"{preset} step {step}: {got} vs golden {want}"
+        tol = TOLERANCE_FIRST if step == 1 else TOLERANCE
+        assert abs(got - want) <= tol, f"{preset} step {step}: {got} vs golden {want} (tolerance {tol})"
 
 
 def test_run_directory_and_resume(data: Path, tmp_path: Path) -> None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from ds_nvfp4.zero.shm import workspace_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -234,8 +237,11 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
+    segment = workspace_path(rank, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    shm_created = segment.exists()  # DeepSpeed's CPU shm all-reduce made it in init_distributed
     result = globals()[f"scenario_{name}"](rank, params)
     result["rank"] = rank
+    result["shm_segment"] = {"created": shm_created, "left_behind": segment.exists()}
     result["finite"] = all(math.isfinite(v) for v in result.get("losses", [0.0]))
     Path(out).write_text(json.dumps(result))
     torch.distributed.barrier()
