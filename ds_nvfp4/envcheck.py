@@ -98,6 +98,17 @@ def smoke_test() -> list[dict[str, Any]]:
     return out
 
 
+def format_kernels() -> dict[str, Any]:
+    """Whether the CPU quantize/dequantize kernels run compiled, and any that fell back to eager (with why).
+
+    Call after :func:`smoke_test`: its quantizations are what compiles and verifies the kernels.
+    """
+    from .format import _compile
+
+    return {"compiled": _compile.compile_enabled(torch.device("cpu")), "policy": _compile._policy(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "eager_fallbacks": _compile.status()}
+
+
 def check_config(path: str) -> tuple[bool, str]:
     """Can the precision section of ``path`` run on this node? (ok, reason)."""
     from .config import ConfigError, UnreadableConfig, load_config
@@ -127,7 +138,8 @@ def report(config: str | None = None) -> dict[str, Any]:
     hw, sw = hardware(), software()
     sel = decide(probe(), None)
     out = {"node": platform.node(), "hardware": hw, "software": sw,
-           "default_kernel": {"name": sel.name, "reason": sel.reason}, "smoke_test": smoke_test()}
+           "default_kernel": {"name": sel.name, "reason": sel.reason}, "smoke_test": smoke_test(),
+           "format_kernels": format_kernels()}
     if config:
         ok, why = check_config(config)
         out["config"] = {"file": config, "runs_here": ok, "reason": why}

@@ -18,7 +18,7 @@ free_port() { "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("", 0)
 hosts_of() { grep -v -E '^\s*(#|$)' "$1" | awk '{print $1}'; }
 
 check_hostfile() {
-  [ -n "${1:-}" ] || die "no hostfile given (HOSTFILE=... or -H FILE); see launch/hostfile.example"
+  [ -n "${1:-}" ] || die "no hostfile given: set HOSTFILE=FILE (see launch/hostfile.example)"
   [ -s "$1" ] || die "hostfile '$1' is missing or empty; see launch/hostfile.example"
   grep -v -E '^\s*(#|$)' "$1" | grep -q -v -E '^\S+\s+slots=[0-9]+\s*$' \
     && die "hostfile '$1': every line must read 'HOST slots=N' (DeepSpeed's format)"

@@ -271,6 +271,8 @@ def main() -> None:
         print(f"{args.out}: final val loss {rows[-1].get('val_loss', float('nan')):.4f} nats/byte, "
               f"{summary['tokens_per_s_median']:.0f} tokens/s", flush=True)
     torch.distributed.barrier()
+    # an explicit teardown: left to interpreter exit, gloo's threads have aborted a rank under srun (exit 134)
+    torch.distributed.destroy_process_group()
 
 
 def _weight_bytes(all_storage: list, engine) -> int:

@@ -42,6 +42,13 @@ def run(args: argparse.Namespace) -> int:
                   f"rel. error vs FP32 {row['rel_error_vs_fp32']:.3f}")
         else:
             print(f"    {row['backend']:18s} --  {row['reason']}")
+    fk = rep["format_kernels"]
+    n_eager = len(fk["eager_fallbacks"])
+    state = ("eager" if not fk["compiled"] else "compiled (Inductor), each verified bit-for-bit against eager"
+             + (f"; {n_eager} fell back to eager (below)" if n_eager else ""))
+    print(f"  format     CPU quantize kernels {state}; DS_NVFP4_COMPILE={fk['policy']}, ATen {fk['cpu_capability']}")
+    for name, why in fk["eager_fallbacks"].items():
+        print(f"    {name}: EAGER: {why}")
     if "config" in rep:
         c = rep["config"]
         print(f"  config     {c['file']}: {'OK' if c['runs_here'] else 'CANNOT RUN'}: {c['reason']}")

@@ -141,6 +141,14 @@ def test_slurm_sbatch_srun(slurm: SlurmCluster, cluster: Cluster, data: Path) ->
     assert "running: srun" in log
 
 
+def test_slurm_deepspeed_launcher(slurm: SlurmCluster, cluster: Cluster, data: Path) -> None:
+    """`deepspeed --launcher slurm` inside the allocation (needs --mpi=pmix, which the script passes)."""
+    out = cluster.root / "run-sbatch-ds"
+    log = submit_and_check(slurm, cluster, f"sbatch --output={{log}} launch/slurm.sbatch {train_args(data, out)}",
+                           out, {"MODE": "deepspeed"})
+    assert "--launcher slurm --launcher_args=--mpi=pmix" in log
+
+
 def test_pbs_script_through_qsub(slurm: SlurmCluster, cluster: Cluster, data: Path) -> None:
     need("qsub")
     out = cluster.root / "run-qsub"
