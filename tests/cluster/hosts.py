@@ -91,7 +91,28 @@ exec bash -c "$1"
 """
 
 
-class Cluster:
+class Managed:
+    """A context manager whose ``close`` also undoes a set-up (``_start``) that failed half-way."""
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Cluster(Managed):
     """Context manager: N emulated hosts joined on one L2 segment (a bridge-less veth pair for 2 hosts)."""
 
     def __init__(self, root: Path, names: tuple[str, ...] = ("n1", "n2"), ssh: bool = True) -> None:
@@ -104,19 +125,11 @@ class Cluster:
         self._made_run_sshd = False
 
     # -- set-up -------------------------------------------------------------------------------------------------
-    def __enter__(self) -> Cluster:
-        try:
-            self._network()
-            self._files()
-            if self.ssh:
-                self._sshd()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _start(self) -> None:
+        self._network()
+        self._files()
+        if self.ssh:
+            self._sshd()
 
     def _network(self) -> None:
         a, b = self.hosts

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import time
 
-from tests.cluster.hosts import Cluster, Host
+from tests.cluster.hosts import Cluster, Host, Managed
 
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol")
 CONF = """ClusterName=dsnvfp4test
@@ -52,7 +52,7 @@ PartitionName=test Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """
 
 
-class SlurmCluster:
+class SlurmCluster(Managed):
     def __init__(self, cluster: Cluster, ctld_port: int = 16817, slurmd_port: int = 16818) -> None:
         self.cluster = cluster
         self.dir = cluster.root / "slurm"
@@ -64,17 +64,6 @@ class SlurmCluster:
     def env(self) -> dict[str, str]:
         """Environment for SLURM clients (and the jobs they submit)."""
         return dict(os.environ, SLURM_CONF=str(self.conf))
-
-    def __enter__(self) -> SlurmCluster:
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def _start(self) -> None:
         hosts = self.cluster.hosts
