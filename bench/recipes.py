@@ -1,6 +1,6 @@
 """Tokens/s and resident memory per rank of BF16, the mission recipe and the paper recipe, in one invocation.
 
-Usage: python bench/recipes.py [--model 5m] [--steps 60] [--rounds 2] [--json out.json]
+Usage: python bench/recipes.py [--model 5m] [--steps 50] [--rounds 2] [--json out.json]
 Runs launch/train.py (2 CPU ranks, ZeRO-3) for every recipe, round-robin (bf16, mission, paper, bf16, ...) so
 that a change in machine load hits every recipe alike, and reports the median over rounds of each run's median
 tokens/s (warm-up steps excluded by train.py), as a ratio to BF16 measured in the same invocation, with the peak
@@ -41,7 +41,7 @@ def run(recipe: str, model: str, steps: int, out: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="5m")
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json")
     args = ap.parse_args()
