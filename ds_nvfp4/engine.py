@@ -161,9 +161,8 @@ def _check_zero_features(ds_config: dict) -> None:
                                                 '"bf16"'),
     ):
         if zero.get(key):
-            raise ConfigError([Problem(f"zero_optimization.{key}", f"cannot be combined with "
-                                                                    f'precision.weights.storage: "nvfp4": {why}')])
-
+            raise ConfigError([Problem(f"zero_optimization.{key}",
+                                       f'cannot be combined with precision.weights.storage: "nvfp4": {why}')])
 
 
 def storage_report(engine):
