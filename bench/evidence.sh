@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The acceptance evidence of docs/results.md: BF16, the mission recipe and the paper recipe trained for the same
 # number of steps on the Shakespeare text (2 CPU ranks, ZeRO-3), each compared with BF16 by `ds-nvfp4 compare`.
+# Then the downstream check: each pretrained run fine-tuned on WordNet supersenses with the same seeds
+# (FINETUNE_STEPS=0 skips it; needs Debian's wordnet-base).
 #   MODEL=5m STEPS=2100 OUT=runs/evidence bash bench/evidence.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +24,20 @@ for run in bf16:bf16_zero3 mission:nvfp4_zero3 paper:nvfp4_full_zero3; do
     --out "$OUT/$name" > "$OUT/$name.log" 2>&1
   echo "$name $(( $(date +%s) - start )) s" | tee -a "$OUT/wall_times.txt"
 done
+FINETUNE_STEPS=${FINETUNE_STEPS:-400}
+SEEDS=${SEEDS:-0 1 2 3}
+if [ "$FINETUNE_STEPS" -gt 0 ]; then
+  export OMP_NUM_THREADS=${FINETUNE_THREADS:-2}  # one process: use both cores
+  for name in bf16 mission paper; do
+    [ -f "$OUT/$name/finetune.json" ] && { echo "== $name: fine-tuned already"; continue; }
+    start=$(date +%s)
+    # shellcheck disable=SC2086
+    "$BIN/python" -m ds_nvfp4 finetune "$OUT/$name" --task wordnet --seeds $SEEDS --steps "$FINETUNE_STEPS" \
+      > "$OUT/$name.finetune.log" 2>&1
+    tail -n 1 "$OUT/$name.finetune.log"
+    echo "$name finetune $(( $(date +%s) - start )) s" | tee -a "$OUT/wall_times.txt"
+  done
+fi
 for name in mission paper; do
   "$BIN/python" -m ds_nvfp4 compare "$OUT/bf16" "$OUT/$name" --out "$OUT/report_$name" || true
 done

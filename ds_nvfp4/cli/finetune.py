@@ -13,10 +13,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir")
     p.add_argument("--task", choices=("wordnet", "sentiment"), default="wordnet")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--test-examples", type=int, default=4000)
+    p.add_argument("--test-examples", type=int, default=None,
+                   help="evaluate a fixed random subset of this many test examples (default: the whole split)")
     p.set_defaults(func=run)
 
 

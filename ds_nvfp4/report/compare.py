@@ -8,6 +8,7 @@ same held-out windows); the downstream accuracy gap comes from ``ds-nvfp4 finetu
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from dataclasses import dataclass, field
@@ -130,19 +131,52 @@ def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01,
     return rep
 
 
+def unpack_correct(text: str, n: int) -> np.ndarray:
+    """Per-example correctness written by ``ds_nvfp4.finetune.pack_correct``: bool ``[n]``."""
+    return np.unpackbits(np.frombuffer(base64.b64decode(text), dtype=np.uint8))[:n].astype(bool)
+
+
+def two_level_bootstrap(base: np.ndarray, cand: np.ndarray, n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of the accuracy gap (points, baseline minus candidate) from per-example correctness.
+
+    ``base``/``cand``: bool ``[seeds, examples]``, row s of both fine-tuned with seed s on the same test examples.
+    Each resample draws seeds with replacement AND test examples with replacement (the same examples for both runs),
+    so the interval covers both the fine-tuning noise between seeds and the finite test set.
+    """
+    d = base.astype(np.int8) - cand.astype(np.int8)
+    rng = np.random.default_rng(seed)
+    s, m = d.shape
+    vals = np.empty(n)
+    for r in range(n):
+        rows = rng.integers(0, s, s)
+        cols = rng.integers(0, m, m)
+        vals[r] = d[rows][:, cols].mean()
+    return float(100 * np.percentile(vals, 2.5)), float(100 * np.percentile(vals, 97.5))
+
+
 def _downstream(base: Path, cand: Path, threshold: float) -> Criterion:
     fa, fb = base / "finetune.json", cand / "finetune.json"
     if not (fa.exists() and fb.exists()):
         return Criterion("downstream accuracy gap", None, None, threshold, "not measured", "points",
                          "run `ds-nvfp4 finetune RUN_DIR` on both runs")
     a, b = json.loads(fa.read_text()), json.loads(fb.read_text())
-    if a["task"] != b["task"] or a["seeds"] != b["seeds"]:
-        raise CompareError(f"finetune results differ in task or seeds ({a['task']} {a['seeds']} vs "
-                           f"{b['task']} {b['seeds']})")
+    for key in ("task", "seeds", "steps", "batch", "lr", "test_examples", "test_sha256"):
+        if a.get(key) != b.get(key):
+            raise CompareError(f"finetune results differ in {key} ({fa}: {a.get(key)!r}, {fb}: {b.get(key)!r}): "
+                               "fine-tune both runs with the same command")
     diffs = [100 * (x - y) for x, y in zip(a["accuracy"], b["accuracy"])]  # baseline minus candidate, points
     gap = float(np.mean(diffs))
-    ci = paired_bootstrap(a["accuracy"], b["accuracy"], lambda x, y: 100 * (x.mean() - y.mean()))
-    note = f"{a['task']}, {len(diffs)} seeds, paired bootstrap 95% CI (baseline minus NVFP4)"
+    if "correct" in a and "correct" in b:
+        n = a["test_examples"]
+        ca = np.stack([unpack_correct(t, n) for t in a["correct"]])
+        cb = np.stack([unpack_correct(t, n) for t in b["correct"]])
+        gap = float(100 * (ca.mean() - cb.mean()))  # exact, where the stored accuracies are rounded floats
+        ci = two_level_bootstrap(ca, cb)
+        how = f"two-level paired bootstrap over seeds and {n} test examples"
+    else:  # results written before per-example correctness was recorded
+        ci = paired_bootstrap(a["accuracy"], b["accuracy"], lambda x, y: 100 * (x.mean() - y.mean()))
+        how = "paired bootstrap over seeds only (no per-example results recorded)"
+    note = f"{a['task']}, {len(diffs)} seeds, {how}, 95% CI (baseline minus NVFP4)"
     verdict = _verdict(ci, threshold)
     if len(diffs) < MIN_SEEDS:  # a bootstrap over 2-3 pairs has a handful of distinct resamples: no verdict
         verdict = "inconclusive"

@@ -102,3 +102,59 @@ def test_too_few_seeds_is_inconclusive(tmp_path: Path) -> None:
     r = run(str(a), str(b))
     crit = json.loads((b / "report.json").read_text())["criteria"][1]
     assert crit["verdict"] == "inconclusive" and "fewer than 4 seeds" in crit["note"] and r.returncode == 3
+
+
+def _write_per_example(run_dir: Path, correct: np.ndarray, **extra) -> None:
+    import torch
+
+    from ds_nvfp4.finetune import pack_correct
+
+    res = {"task": "wordnet", "seeds": list(range(len(correct))), "accuracy": correct.mean(1).tolist(),
+           "steps": 400, "batch": 32, "lr": 3e-4, "test_examples": correct.shape[1], "test_sha256": "t",
+           "correct": [pack_correct(torch.from_numpy(c)) for c in correct]}
+    res.update(extra)
+    (run_dir / "finetune.json").write_text(json.dumps(res))
+
+
+def test_per_example_results_round_trip() -> None:
+    import torch
+
+    from ds_nvfp4.finetune import pack_correct
+    from ds_nvfp4.report.compare import unpack_correct
+
+    for n in (1, 7, 8, 9, 1001):
+        bits = np.random.default_rng(n).random(n) < 0.3
+        assert (unpack_correct(pack_correct(torch.from_numpy(bits)), n) == bits).all()
+
+
+@pytest.mark.parametrize("flip, verdict", [(0.002, "pass"), (0.03, "fail"), (0.007, "inconclusive")])
+def test_downstream_two_level_bootstrap(tmp_path: Path, flip: float, verdict: str) -> None:
+    """Candidate = baseline with a fraction ``flip`` of correct answers turned wrong (a known gap in points), plus
+    per-seed noise of 1% disagreement both ways; the interval must contain the true gap and judge it."""
+    rng = np.random.default_rng(3)
+    n = 20000
+    base = rng.random((4, n)) < 0.4
+    cand = base.copy()
+    noise = rng.random((4, n)) < 0.01
+    cand[noise] = ~cand[noise]
+    lost = base & (rng.random((4, n)) < flip / 0.4)
+    cand[lost] = False
+    a = make_run(tmp_path / "bf16", BASE)
+    b = make_run(tmp_path / "nvfp4", [v * 1.001 for v in BASE])
+    _write_per_example(a, base)
+    _write_per_example(b, cand)
+    r = run(str(a), str(b))
+    crit = json.loads((b / "report.json").read_text())["criteria"][1]
+    true_gap = 100 * (base.mean() - cand.mean())
+    assert crit["ci"][0] <= true_gap <= crit["ci"][1], (crit, true_gap)
+    assert crit["verdict"] == verdict and "test examples" in crit["note"], (crit, r.stdout)
+
+
+def test_downstream_refuses_different_test_sets(tmp_path: Path) -> None:
+    base = np.random.default_rng(0).random((4, 100)) < 0.5
+    a = make_run(tmp_path / "bf16", BASE)
+    b = make_run(tmp_path / "nvfp4", BASE)
+    _write_per_example(a, base)
+    _write_per_example(b, base, test_sha256="other")
+    r = run(str(a), str(b))
+    assert r.returncode == 2 and "test_sha256" in r.stderr and "same command" in r.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -83,3 +84,17 @@ def test_finetune_writes_per_seed_accuracies(data: Path, tmp_path: Path) -> None
     assert saved == res and len(res["accuracy"]) == 2 and all(0.0 <= a <= 1.0 for a in res["accuracy"])
     again = finetune(run, "wordnet", seeds=(0,), steps=10, batch=16, data=examples, progress=False)
     assert again["accuracy"][0] == res["accuracy"][0]  # same seed, same recipe: same number
+    # per-example results: the whole test split by default, consistent with the accuracy
+    from ds_nvfp4.report.compare import unpack_correct
+
+    assert res["test_examples"] == len(examples[1]) and len(res["correct"]) == 2
+    for acc, bits in zip(res["accuracy"], res["correct"]):
+        assert unpack_correct(bits, res["test_examples"]).mean() == pytest.approx(acc, abs=1e-12)
+
+
+def test_finetune_learning_rate_schedule() -> None:
+    from ds_nvfp4.finetune import lr_at
+
+    lrs = [lr_at(s, 100, 1.0) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and max(lrs) == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:])) and lrs[-1] == pytest.approx(1 / 90)
