@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
+import itertools
 import json
 import typing
 from typing import Any
@@ -117,13 +119,50 @@ def validate_section(section: Any) -> tuple[PrecisionConfig | None, list[Problem
     """Validate the raw ``precision`` value; returns the model (None when invalid) and the problems."""
     if not isinstance(section, dict):
         return None, [Problem(SECTION, f"expected a JSON object, got {_show(section)}")]
-    problems = _find_auto(section)
-    if problems:
-        return None, problems
+    problems = _find_auto(section)  # reported with every other schema error, once per "auto" value
+    autos = {p.path for p in problems}
     try:
-        return PrecisionConfig.model_validate(section), []
+        model = PrecisionConfig.model_validate(section)
     except ValidationError as exc:
-        return None, [_pydantic_problem(e) for e in exc.errors()]
+        problems += [q for q in map(_pydantic_problem, exc.errors()) if q.path not in autos]
+        model = None
+    return (None, problems) if problems else (model, [])
+
+
+def _auto_locs(value: Any, loc: tuple = ()) -> list[tuple]:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return [loc]
+    if isinstance(value, dict):
+        return [x for k, v in value.items() for x in _auto_locs(v, (*loc, k))]
+    return []
+
+
+def salvage_section(section: Any) -> tuple[PrecisionConfig | None, set[str]]:
+    """The invalid section with every offending value removed (so it takes its default), validated.
+
+    Lets ``validate`` run the cross-checks even when the section has schema errors, so a user sees every error of
+    a file at once. Returns the model (None when nothing can be salvaged) and the JSON paths that were removed;
+    cross-check problems that involve a removed path must be dropped (they would judge a default, not the file).
+    """
+    if not isinstance(section, dict):
+        return None, set()
+    work, removed = copy.deepcopy(section), set()
+    for _ in range(8):  # each pass removes at least one key; a section has only a handful of levels
+        bad = _auto_locs(work)
+        try:
+            if not bad:
+                return PrecisionConfig.model_validate(work), removed
+        except ValidationError as exc:
+            bad = [tuple(x for x in itertools.takewhile(lambda k: not isinstance(k, int), e["loc"]))
+                   for e in exc.errors()]
+        for loc in bad:
+            node = work
+            for key in loc[:-1]:
+                node = node.get(key) if isinstance(node, dict) else None
+            if loc and isinstance(node, dict) and loc[-1] in node:
+                del node[loc[-1]]
+                removed.add(_json_path(loc))
+    return None, removed
 
 
 def _get(ds: dict, dotted: str, default: Any = None) -> Any:

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .checks import SECTION, cross_check, top_level_warnings, validate_section
+from .checks import SECTION, cross_check, salvage_section, top_level_warnings, validate_section
 from .problems import ConfigError, Problem
 from .schema import PrecisionConfig
 
@@ -52,6 +52,11 @@ def check_config(ds: dict, *, deepspeed_checks: bool = False) -> tuple[Precision
     problems += section_problems
     if pc is not None:
         problems += cross_check(ds, pc)
+    else:  # still report the cross-checks that do not involve an invalid value
+        partial, removed = salvage_section(ds.get(SECTION, {}))
+        if partial is not None:
+            problems += [q for q in cross_check(ds, partial)
+                         if not any(q.path.startswith(r) or r in q.message for r in removed)]
     if deepspeed_checks:
         from .deepspeed_checks import deepspeed_problems
 
