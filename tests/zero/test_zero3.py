@@ -80,6 +80,9 @@ def test_offload_optimizer_gradient_accumulation_and_clipping() -> None:
     for r in res:
         assert r["finite"] and r["report"]["packed_params"] == 7
         assert all(v["equal"] for v in r["after"].values() if v["packed"])
+        # safe_get_full_grad of the packed weights: the full [out, in] gradient, finite, not all zero
+        assert r["grads"] and all(g["shape"] == r["weight_shapes"][n] and g["finite"] and g["norm"] > 0
+                                  for n, g in r["grads"].items()), r["grads"]
 
 
 def test_zero2_converts_but_stores_bf16() -> None:

@@ -82,12 +82,25 @@ def make_engine(cfg: dict, seed: int = 0):
     return engine
 
 
-def train(engine, steps: range, rank: int) -> list[float]:
+def train(engine, steps: range, rank: int, grads: dict | None = None) -> list[float]:
+    """Train; with ``grads`` given, fill it with ``safe_get_full_grad`` facts of every FP4 Linear's weight at the
+    last step (after the backward of the last micro-batch, before ``step()``, as DeepSpeed documents)."""
+    import deepspeed
+
+    from ds_nvfp4.nn import NVFP4Linear
+
     losses = []
     for step in steps:
         for micro in range(engine.gradient_accumulation_steps()):
             loss = engine(*batch(step * 10 + micro, rank))
             engine.backward(loss)
+            if grads is not None and step == steps[-1] and micro == engine.gradient_accumulation_steps() - 1:
+                for name, m in engine.module.named_modules():
+                    if isinstance(m, NVFP4Linear):
+                        g = deepspeed.utils.safe_get_full_grad(m.weight)
+                        grads[name] = {"shape": list(g.shape) if g is not None else None,
+                                       "finite": bool(g is not None and torch.isfinite(g).all()),
+                                       "norm": float(g.float().norm()) if g is not None else 0.0}
             engine.step()
         losses.append(float(loss))
     return losses
@@ -124,10 +137,13 @@ def scenario_train(rank: int, p: dict) -> dict:
     cfg = config(**p.get("config", {}))
     engine = make_engine(cfg)
     before = exactness(engine)
-    losses = train(engine, range(p.get("steps", 6)), rank)
+    grads: dict = {}
+    losses = train(engine, range(p.get("steps", 6)), rank, grads)
     after = exactness(engine)
     rep = ds_nvfp4.storage_report(engine)
+    shapes = {n: list(m.weight.ds_shape) for n, m in engine.module.named_modules() if n in grads}
     return {"losses": losses, "before": before, "after": after, "report": rep.to_dict() if rep else None,
+            "grads": grads, "weight_shapes": shapes,
             "conversion": engine.ds_nvfp4.conversion.to_dict(), "kernel": engine.ds_nvfp4.selection.name}
 
 
