@@ -118,9 +118,35 @@ def initialize(*args, **kwargs):
         log.info("%s", state.store.report().summary())
     if precision.monitor.enabled:
         state.stats = StatsCollector(engine.module, precision.monitor.interval)
+        _emit_stats(engine, state.stats)
     engine.ds_nvfp4 = state
     _describe_checkpoints(engine, state)
     return engine, optimizer, loader, scheduler
+
+
+def _emit_stats(engine, stats: StatsCollector) -> None:
+    """Capture the quantization statistics on every ``monitor.interval``-th optimizer step and write them to
+    DeepSpeed's monitor (TensorBoard/CSV/W&B as configured) as ``Train/Precision/<layer>/...`` at that step, with
+    no change to the user's training loop. Steps are counted from 1, like DeepSpeed's own ``Train/Samples`` events.
+    """
+    def before_forward(module, args):
+        if module.training:
+            stats.step(engine.global_steps + 1)
+
+    engine.module.register_forward_pre_hook(before_forward)
+    original_step = engine.step
+
+    def step(*args, **kwargs):
+        events = []
+        if engine.is_gradient_accumulation_boundary():
+            events = stats.events(engine.global_steps + 1)
+            stats.stop()  # evaluation forwards until the next training forward are not captured
+        out = original_step(*args, **kwargs)
+        if events and engine.monitor.enabled:
+            engine.monitor.write_events(events)  # DeepSpeed's monitor writes on rank 0 only
+        return out
+
+    engine.step = step
 
 
 #: written next to every checkpoint tag: what `ds-nvfp4 export` needs to know about the run

@@ -218,8 +218,6 @@ def main() -> None:
     my_losses = []  # every rank's view of the (all-reduced) loss: equal on all ranks, checked by the tests
     for step in range(start, args.steps):
         t0 = time.perf_counter()
-        if state is not None and state.stats is not None:
-            state.stats.step(step)
         loss_sum = 0.0
         for micro_step in range(gas):
             x, y = get_batch(train_data, args.seed, step * gas + micro_step, rank, micro, args.seq)
@@ -237,11 +235,8 @@ def main() -> None:
                   "tokens_per_s": tokens_per_step / step_time}
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
             record.update(evaluate(engine, val_data, args.eval_batches, micro, args.seq, rank, world))
-        events = [("Train/Samples/train_loss", record["loss"], step + 1)]
-        if state is not None and state.stats is not None:
-            events += state.stats.events(step + 1)
-        if engine.monitor.enabled and rank == 0:
-            engine.monitor.write_events(events)
+        if engine.monitor.enabled and rank == 0:  # the precision statistics are written by ds_nvfp4 itself
+            engine.monitor.write_events([("Train/Samples/train_loss", record["loss"], step + 1)])
         if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or step + 1 == args.steps:
             engine.save_checkpoint(str(out / "ckpt"), tag=f"step{step + 1}",
                                    client_state={"step": step + 1})

@@ -56,8 +56,9 @@ class LayerStats:
 class StatsCollector:
     """Turns capture on every ``interval`` steps and gathers the snapshots of all NVFP4 layers.
 
-    Usage: ``c = StatsCollector(model, interval)``; before each forward ``c.step(global_step)``; after backward,
-    ``c.collect()`` returns ``{"<layer>/<tensor>/<stat>": value}`` for a captured step (empty otherwise), and
+    ``ds_nvfp4.initialize`` drives it and writes the events to DeepSpeed's monitor when ``precision.monitor`` is
+    enabled (``engine.ds_nvfp4.stats``). By hand: ``c = StatsCollector(model, interval)``; before each forward
+    ``c.step(global_step)``; after backward, ``c.collect()`` returns ``{"<layer>/<tensor>/<stat>": value}`` for a captured step (empty otherwise), and
     ``c.events(step)`` formats them for DeepSpeed's monitor as ``Train/Precision/<layer>/...``.
     """
 
@@ -75,6 +76,12 @@ class StatsCollector:
             if self.active:
                 m.stats.last = {}
         return self.active
+
+    def stop(self) -> None:
+        """Capture nothing until the next :meth:`step` says so."""
+        self.active = False
+        for m in self.layers.values():
+            m.stats.capture = False
 
     def collect(self) -> dict[str, float]:
         if not self.active:
