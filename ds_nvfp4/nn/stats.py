@@ -58,8 +58,9 @@ class StatsCollector:
 
     ``ds_nvfp4.initialize`` drives it and writes the events to DeepSpeed's monitor when ``precision.monitor`` is
     enabled (``engine.ds_nvfp4.stats``). By hand: ``c = StatsCollector(model, interval)``; before each forward
-    ``c.step(global_step)``; after backward, ``c.collect()`` returns ``{"<layer>/<tensor>/<stat>": value}`` for a captured step (empty otherwise), and
-    ``c.events(step)`` formats them for DeepSpeed's monitor as ``Train/Precision/<layer>/...``.
+    ``c.step(global_step)``; after backward, ``c.collect()`` returns ``{"<layer>/<tensor>/<stat>": value}`` for a
+    captured step (empty otherwise), and ``c.events(step)`` formats them for DeepSpeed's monitor as
+    ``Train/Precision/<layer>/...``.
     """
 
     def __init__(self, model: nn.Module, interval: int) -> None:
