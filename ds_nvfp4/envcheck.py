@@ -103,10 +103,14 @@ def format_kernels() -> dict[str, Any]:
 
     Call after :func:`smoke_test`: its quantizations are what compiles and verifies the kernels.
     """
-    from .format import _compile
+    from .format import _compile, _cpu_ext
 
-    return {"compiled": _compile.compile_enabled(torch.device("cpu")), "policy": _compile._policy(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "eager_fallbacks": _compile.status()}
+    compiled = _compile.compile_enabled(torch.device("cpu"))
+    cpp = compiled and _cpu_ext.extension() is not None
+    return {"compiled": compiled, "policy": _compile._policy(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "eager_fallbacks": _compile.status(),
+            "cpp_kernels": cpp, "cpp_kernels_reason": None if cpp else (_cpu_ext.unavailable_reason or
+                                                                        "compiled kernels are off")}
 
 
 def check_config(path: str) -> tuple[bool, str]:

@@ -11,6 +11,8 @@ OUT=${OUT:-runs/demo}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 "$BIN/python" -m ds_nvfp4 data
+# the C++ CPU format kernels are built once per machine (~1 min the first time, then cached by torch)
+"$BIN/python" -c 'from ds_nvfp4.format import _cpu_ext; _cpu_ext.extension()'
 port=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 for run in bf16:bf16_zero3 nvfp4:nvfp4_zero3; do
   name=${run%%:*}

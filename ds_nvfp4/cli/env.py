@@ -47,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
     state = ("eager" if not fk["compiled"] else "compiled (Inductor), each verified bit-for-bit against eager"
              + (f"; {n_eager} fell back to eager (below)" if n_eager else ""))
     print(f"  format     CPU quantize kernels {state}; DS_NVFP4_COMPILE={fk['policy']}, ATen {fk['cpu_capability']}")
+    cpp = ("C++ kernels (csrc/nvfp4_cpu.cpp), verified against eager" if fk["cpp_kernels"]
+           else f"no C++ kernels: {fk['cpp_kernels_reason']}")
+    print(f"    encode/decode: {cpp}")
     for name, why in fk["eager_fallbacks"].items():
         print(f"    {name}: EAGER: {why}")
     if "config" in rep:

@@ -65,11 +65,18 @@ def _signature(args: tuple, kwargs: dict) -> tuple:
 
 
 def _same_bits(a: Any, b: Any) -> bool:
-    """Exact equality of (tuples of) tensors, NaN payloads included (compares the raw bytes)."""
+    """Exact equality of (tuples of) tensors, bit for bit (-0.0 differs from 0.0), except that any NaN equals any
+    NaN: a NaN's sign and payload are not part of the contract (x86 makes ``0 * inf`` a negative NaN, and
+    PyTorch's own vectorised and scalar bfloat16 casts disagree on NaN bits)."""
     if isinstance(a, tuple):
         return isinstance(b, tuple) and len(a) == len(b) and all(_same_bits(x, y) for x, y in zip(a, b))
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    if a.is_floating_point() and a.element_size() >= 2:
+        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+        if not torch.equal(nan_a, nan_b):
+            return False
+        a, b = a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0)
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
@@ -82,25 +89,66 @@ def status() -> dict[str, str]:
     return dict(_EAGER)
 
 
-class _Compiled:
-    """A kernel that dispatches to its compiled twin when the policy allows, eager otherwise."""
+def _all_finite(args: tuple, kwargs: dict) -> bool:
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    return all(bool(torch.isfinite(t.float()).all()) for t in tensors)
 
-    def __init__(self, fn: Callable) -> None:
+
+class _Compiled:
+    """A kernel that dispatches to a faster twin when the policy allows, eager otherwise.
+
+    The twin is the ``native`` implementation when given and applicable (it returns None when it does not apply
+    to these arguments), else ``torch.compile`` of the eager function. Either twin is checked against the eager
+    kernel on the first call of every argument signature whose inputs are all finite (a poisoned, non-finite
+    input has don't-care codes, e.g. the sign of a NaN, so it proves nothing and is answered by the eager kernel).
+    """
+
+    def __init__(self, fn: Callable, native: Callable | None = None) -> None:
         self.fn = fn
+        self.native = native
         self.compiled: Callable | None = None
-        self.failed = False
+        self.failed = False          # Inductor twin unusable: eager
+        self.native_failed = False   # native twin unusable: Inductor or eager
         self.verified: set[tuple] = set()
         functools.update_wrapper(self, fn)
 
-    def _fall_back(self, why: str) -> None:
-        self.failed = True
-        _EAGER[self.fn.__name__] = why
-        log.warning("ds_nvfp4: %s; using the eager kernel for %s (identical results, slower). Set "
-                    "DS_NVFP4_COMPILE=0 to skip compiling.", why, self.fn.__name__)
+    def _fall_back(self, why: str, native: bool = False) -> None:
+        if native:
+            self.native_failed = True
+            _EAGER[f"{self.fn.__name__} (C++)"] = why
+        else:
+            self.failed = True
+            _EAGER[self.fn.__name__] = why
+        log.warning("ds_nvfp4: %s; using the %s kernel for %s (identical results, slower). Set "
+                    "DS_NVFP4_COMPILE=0 to skip compiling.", why, "Inductor" if native else "eager",
+                    self.fn.__name__)
+
+    def _checked(self, out: Any, args: tuple, kwargs: dict, native: bool) -> Any:
+        """``out`` if its signature is verified (or verifies now), else the eager result."""
+        key = (native, *_signature(args, kwargs))
+        if key in self.verified:
+            return out
+        ref = self.fn(*args, **kwargs)
+        if not _all_finite(args, kwargs):
+            return ref  # proves nothing either way; verify on a later, finite call
+        if not _same_bits(out, ref):
+            what = "the C++ kernel" if native else "Inductor's code"
+            self._fall_back(f"{what} for {self.fn.__name__} gives different bits from the eager kernel on this CPU "
+                            f"(ATen capability {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, "
+                            f"arguments {key[1:]})", native)
+            return ref
+        self.verified.add(key)
+        return out
 
     def __call__(self, *args, **kwargs):
         first = next(a for a in args if isinstance(a, torch.Tensor))
-        if self.failed or torch.compiler.is_compiling() or not compile_enabled(first.device):
+        if torch.compiler.is_compiling() or not compile_enabled(first.device):
+            return self.fn(*args, **kwargs)
+        if self.native is not None and not self.native_failed:
+            out = self.native(*args, **kwargs)
+            if out is not None:
+                return self._checked(out, args, kwargs, native=True)
+        if self.failed:
             return self.fn(*args, **kwargs)
         if self.compiled is None:
             # dynamic=None: the first shape gets a static (fastest) kernel; a second shape recompiles once with
@@ -115,18 +163,11 @@ class _Compiled:
         except Exception as exc:  # a compiler problem must not stop training: same bits, eager
             self._fall_back(f"torch.compile of {self.fn.__name__} failed ({type(exc).__name__}: {exc})")
             return self.fn(*args, **kwargs)
-        key = _signature(args, kwargs)
-        if key not in self.verified:
-            ref = self.fn(*args, **kwargs)
-            if not _same_bits(out, ref):
-                self._fall_back(f"Inductor's code for {self.fn.__name__} gives different bits from the eager "
-                                f"kernel on this CPU (ATen capability {torch.backends.cpu.get_cpu_capability()}, "
-                                f"torch {torch.__version__}, arguments {key})")
-                return ref
-            self.verified.add(key)
-        return out
+        return self._checked(out, args, kwargs, native=False)
 
 
-def compiled(fn: F) -> F:
-    """Decorator: see the module docstring."""
-    return _Compiled(fn)  # type: ignore[return-value]
+def compiled(fn: F | None = None, *, native: Callable | None = None) -> F:
+    """Decorator (``@compiled`` or ``@compiled(native=f)``): see the module docstring and :class:`_Compiled`."""
+    if fn is None:
+        return functools.partial(compiled, native=native)  # type: ignore[return-value]
+    return _Compiled(fn, native)  # type: ignore[return-value]

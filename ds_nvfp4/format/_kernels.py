@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import e2m1
+from . import _cpu_ext, e2m1
 from ._compile import compiled
 from .constants import BLOCK_SIZE, E4M3_MAX, FLT_MAX, GLOBAL_SCALE_NUMERATOR
 
@@ -82,7 +82,17 @@ def _scaled(x: torch.Tensor, enc: torch.Tensor, block: str) -> torch.Tensor:
     return t * enc[:, None, :, None]
 
 
-@compiled
+def _encode_nearest_cpp(x: torch.Tensor, enc: torch.Tensor, block: str) -> torch.Tensor | None:
+    """The C++ twin of :func:`encode_nearest` (``csrc/nvfp4_cpu.cpp``), or None where it does not apply."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
+        return None
+    ext = _cpu_ext.extension()
+    if ext is None:
+        return None
+    return ext.encode_nearest(x, enc.contiguous(), 1 if block == "1x16" else BLOCK_SIZE)
+
+
+@compiled(native=_encode_nearest_cpp)
 def encode_nearest(x: torch.Tensor, enc: torch.Tensor, block: str) -> torch.Tensor:
     """Packed uint8 codes [M, K/2] of ``x * enc_b`` rounded to nearest-even."""
     m, k = x.shape
@@ -97,12 +107,29 @@ def encode_stochastic(x: torch.Tensor, enc: torch.Tensor, block: str, random_byt
     return e2m1.pack(e2m1.encode_stochastic(y, random_bytes))
 
 
-@compiled
+def _decode_factor(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """float32 per-block decode factors ``s_b * amax / 2688`` (scale's shape), in the contract's rounding order."""
+    return (scale.to(_F32) * amax) * _c(1.0 / GLOBAL_SCALE_NUMERATOR, scale)
+
+
+def _decode_cpp(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block: str,
+                dtype: torch.dtype) -> torch.Tensor | None:
+    """The C++ twin of :func:`decode` (``csrc/nvfp4_cpu.cpp``), or None where it does not apply."""
+    if data.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not data.is_contiguous():
+        return None
+    ext = _cpu_ext.extension()
+    if ext is None:
+        return None
+    factor = _decode_factor(scale, amax).contiguous()
+    return ext.decode(data, factor, 1 if block == "1x16" else BLOCK_SIZE, dtype == torch.bfloat16)
+
+
+@compiled(native=_decode_cpp)
 def decode(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block: str, dtype: torch.dtype) -> torch.Tensor:
     """Dequantize packed codes [M, K/2] with block scales and the tensor amax to ``dtype`` [M, K]."""
     m = data.shape[0]
     k = data.shape[1] * 2
-    factor = (scale.to(_F32) * amax) * _c(1.0 / GLOBAL_SCALE_NUMERATOR, data)
+    factor = _decode_factor(scale, amax)
     values = _tiles(e2m1.decode(e2m1.unpack(data)), block)
     if block == "1x16":
         out = values * factor.unsqueeze(-1)
