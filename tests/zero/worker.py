@@ -141,7 +141,8 @@ def scenario_train(rank: int, p: dict) -> dict:
     losses = train(engine, range(p.get("steps", 6)), rank, grads)
     after = exactness(engine)
     rep = ds_nvfp4.storage_report(engine)
-    shapes = {n: list(m.weight.ds_shape) for n, m in engine.module.named_modules() if n in grads}
+    shapes = {n: list(getattr(m.weight, "ds_shape", m.weight.shape)) for n, m in engine.module.named_modules()
+              if n in grads}
     return {"losses": losses, "before": before, "after": after, "report": rep.to_dict() if rep else None,
             "grads": grads, "weight_shapes": shapes,
             "conversion": engine.ds_nvfp4.conversion.to_dict(), "kernel": engine.ds_nvfp4.selection.name}
