@@ -28,7 +28,7 @@ def write(tmp: Path, name: str, text: str) -> str:
 def test_presets_are_valid_including_deepspeed_checks() -> None:
     r = cli("validate", *map(str, PRESETS))
     assert r.returncode == 0, r.stderr + r.stdout
-    assert r.stdout.count(": ok") == len(PRESETS) == 5
+    assert r.stdout.count(": ok") == len(PRESETS) == 6
 
 
 def test_quiet_prints_nothing_on_success() -> None:
