@@ -45,13 +45,13 @@ def run(args: argparse.Namespace) -> int:
     fk = rep["format_kernels"]
     n_eager = len(fk["eager_fallbacks"])
     state = ("eager" if not fk["compiled"] else "compiled (Inductor), each verified bit-for-bit against eager"
-             + (f"; {n_eager} fell back to eager (below)" if n_eager else ""))
+             + (f"; {n_eager} fell back (below)" if n_eager else ""))
     print(f"  format     CPU quantize kernels {state}; DS_NVFP4_COMPILE={fk['policy']}, ATen {fk['cpu_capability']}")
     cpp = ("C++ kernels (csrc/nvfp4_cpu.cpp), verified against eager" if fk["cpp_kernels"]
            else f"no C++ kernels: {fk['cpp_kernels_reason']}")
     print(f"    encode/decode: {cpp}")
     for name, why in fk["eager_fallbacks"].items():
-        print(f"    {name}: EAGER: {why}")
+        print(f"    {name}: fell back ({'to Inductor' if name.endswith('(C++)') else 'to eager'}): {why}")
     if "config" in rep:
         c = rep["config"]
         print(f"  config     {c['file']}: {'OK' if c['runs_here'] else 'CANNOT RUN'}: {c['reason']}")
