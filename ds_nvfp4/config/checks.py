@@ -55,19 +55,26 @@ def _allowed_values(loc: tuple) -> tuple[str, ...]:
     return tuple(values)
 
 
-def _find_auto(value: Any, loc: tuple = ()) -> list[Problem]:
+def _auto_locs(value: Any, loc: tuple = ()) -> list[tuple]:
+    """Locations (key/index tuples) of every ``"auto"`` string in a JSON value."""
     if isinstance(value, str) and value.strip().lower() == "auto":
-        key = str(loc[-1]) if loc else SECTION
-        default = _default_at(loc)
-        advice = AUTO_ADVICE.get(key, f"write the value explicitly (the default is {default})")
-        return [Problem(_json_path(loc), '"auto" is not allowed here: HF Accelerate raises on any "auto" it cannot '
-                                         f"fill, and this section has nothing to fill it from; {advice}",
-                        _allowed_values(loc))]
+        return [loc]
     if isinstance(value, dict):
-        return [p for k, v in value.items() for p in _find_auto(v, (*loc, k))]
+        return [x for k, v in value.items() for x in _auto_locs(v, (*loc, k))]
     if isinstance(value, list):
-        return [p for i, v in enumerate(value) for p in _find_auto(v, (*loc, i))]
+        return [x for i, v in enumerate(value) for x in _auto_locs(v, (*loc, i))]
     return []
+
+
+def _find_auto(value: Any) -> list[Problem]:
+    problems = []
+    for loc in _auto_locs(value):
+        key = str(loc[-1]) if loc else SECTION
+        advice = AUTO_ADVICE.get(key, f"write the value explicitly (the default is {_default_at(loc)})")
+        problems.append(Problem(_json_path(loc), '"auto" is not allowed here: HF Accelerate raises on any "auto" it '
+                                                 f"cannot fill, and this section has nothing to fill it from; {advice}",
+                                _allowed_values(loc)))
+    return problems
 
 
 def _default_at(loc: tuple) -> str:
@@ -129,14 +136,6 @@ def validate_section(section: Any) -> tuple[PrecisionConfig | None, list[Problem
     return (None, problems) if problems else (model, [])
 
 
-def _auto_locs(value: Any, loc: tuple = ()) -> list[tuple]:
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return [loc]
-    if isinstance(value, dict):
-        return [x for k, v in value.items() for x in _auto_locs(v, (*loc, k))]
-    return []
-
-
 def salvage_section(section: Any) -> tuple[PrecisionConfig | None, set[str]]:
     """The invalid section with every offending value removed (so it takes its default), validated.
 
@@ -153,9 +152,8 @@ def salvage_section(section: Any) -> tuple[PrecisionConfig | None, set[str]]:
             if not bad:
                 return PrecisionConfig.model_validate(work), removed
         except ValidationError as exc:
-            bad = [tuple(x for x in itertools.takewhile(lambda k: not isinstance(k, int), e["loc"]))
-                   for e in exc.errors()]
-        for loc in bad:
+            bad = [tuple(e["loc"]) for e in exc.errors()]
+        for loc in (tuple(itertools.takewhile(lambda k: not isinstance(k, int), b)) for b in bad):
             node = work
             for key in loc[:-1]:
                 node = node.get(key) if isinstance(node, dict) else None

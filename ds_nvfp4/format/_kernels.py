@@ -82,11 +82,16 @@ def _scaled(x: torch.Tensor, enc: torch.Tensor, block: str) -> torch.Tensor:
     return t * enc[:, None, :, None]
 
 
+def _cpu_ext_for(t: torch.Tensor, dtype: torch.dtype):
+    """The C++ extension when it applies to a contiguous CPU tensor ``t`` and a float32/bfloat16 ``dtype``."""
+    if t.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous():
+        return None
+    return _cpu_ext.extension()
+
+
 def _encode_nearest_cpp(x: torch.Tensor, enc: torch.Tensor, block: str) -> torch.Tensor | None:
     """The C++ twin of :func:`encode_nearest` (``csrc/nvfp4_cpu.cpp``), or None where it does not apply."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
-        return None
-    ext = _cpu_ext.extension()
+    ext = _cpu_ext_for(x, x.dtype)
     if ext is None:
         return None
     return ext.encode_nearest(x, enc.contiguous(), 1 if block == "1x16" else BLOCK_SIZE)
@@ -115,9 +120,7 @@ def _decode_factor(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 def _decode_cpp(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block: str,
                 dtype: torch.dtype) -> torch.Tensor | None:
     """The C++ twin of :func:`decode` (``csrc/nvfp4_cpu.cpp``), or None where it does not apply."""
-    if data.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not data.is_contiguous():
-        return None
-    ext = _cpu_ext.extension()
+    ext = _cpu_ext_for(data, dtype)
     if ext is None:
         return None
     factor = _decode_factor(scale, amax).contiguous()
