@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.ds-nvfp4-installed
 
 .PHONY: setup demo test test-fast lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py ds_nvfp4_autohook.pth
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch 2.13.0 CPU comes from local disk on the reference machine; any other version downloads GBs.

@@ -14,8 +14,11 @@ import copy
 import inspect
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
+
+import ds_nvfp4_autohook
 
 from .config import ConfigError, PrecisionConfig, Problem, load_config
 from .kernels import Selection, select
@@ -66,11 +69,13 @@ def initialize(*args, **kwargs):
     """
     import deepspeed
 
-    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    # DeepSpeed's own function, also when the start-up hook wrapped deepspeed.initialize (which calls us)
+    deepspeed_initialize = ds_nvfp4_autohook.original_initialize(deepspeed)
+    bound = inspect.signature(deepspeed_initialize).bind(*args, **kwargs)
     where, source = _resolve_config(bound)
     ds_config, precision = load_config(source)
     if not precision.enabled:
-        result = deepspeed.initialize(*args, **kwargs)
+        result = deepspeed_initialize(*args, **kwargs)
         release_shm_workspace()
         return result
 
@@ -92,8 +97,9 @@ def initialize(*args, **kwargs):
         raise ValueError("ds_nvfp4.initialize needs model=... (the module to convert)")
     selection = select(precision.kernel)
     conversion = convert_model(model, precision, selection=selection)
-    if _is_rank0():
-        log.info("%s", conversion.table())
+    if stage == 3 and not packed:
+        _unfuse(model, conversion, conversion.fused_groups, "ZeRO-3 with weights.storage \"bf16\" gathers one "
+                                                            "layer at a time, so no forward sees its peers' weights")
 
     if where == "args":
         # DeepSpeed refuses a config given both ways: hand it the validated dict, and a copy of args without it
@@ -103,7 +109,7 @@ def initialize(*args, **kwargs):
         bound.arguments["config"] = ds_config
     else:
         bound.arguments[where] = ds_config
-    engine, optimizer, loader, scheduler = deepspeed.initialize(*bound.args, **bound.kwargs)
+    engine, optimizer, loader, scheduler = deepspeed_initialize(*bound.args, **bound.kwargs)
     release_shm_workspace()
 
     state = NVFP4State(precision, selection, conversion)
@@ -112,16 +118,64 @@ def initialize(*args, **kwargs):
 
         names = {id(p): n for n, p in engine.module.named_parameters()}
         converted = {id(engine.module.get_submodule(d.name).weight) for d in conversion.layers if d.fp4}
-        state.store = install(engine, names, converted, precision.weights.block, precision.communication.all_gather)
+        fused = [[id(engine.module.get_submodule(n).weight) for n in g] for g in conversion.fused_groups]
+        state.store = install(engine, names, converted, precision.weights.block, precision.communication.all_gather,
+                              fused)
         for name, why in state.store.kept_bf16.items():
             conversion.notes.append(f"{name}: FP4 GEMMs, but its ZeRO-3 partition is stored BF16: {why}")
-        log.info("%s", state.store.report().summary())
+        for label, why in state.store.unfused.items():
+            _unfuse(engine.module, conversion, [label.split(", ")], why)
     if precision.monitor.enabled:
         state.stats = StatsCollector(engine.module, precision.monitor.interval)
         _emit_stats(engine, state.stats)
     engine.ds_nvfp4 = state
     _describe_checkpoints(engine, state)
+    if _is_rank0():
+        report = state.store.report() if state.store is not None else None
+        announce(summary_line(state, report) + "\n" + conversion.table()
+                 + (f"\n{report.summary()}" if report is not None else ""))
     return engine, optimizer, loader, scheduler
+
+
+def announce(text: str) -> None:
+    """Say ``text`` where the user looks: through the ``ds_nvfp4`` logger when the program shows its INFO
+    records, else on stderr (as DeepSpeed's own logger does, whatever ``logging`` set-up the script has)."""
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        log.info("%s", text)
+    else:
+        print(text, file=sys.stderr, flush=True)
+
+
+def summary_line(state: NVFP4State, report=None) -> str:
+    """One line: what is NVFP4, with which recipe and kernel, and how many bytes the packed weights take."""
+    c, p = state.conversion, state.precision
+    kept = c.kept_bf16
+    kept_text = f"{len(kept)} kept BF16" + (f" ({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''})"
+                                            if kept else "")
+    total = c.fp4_params + c.bf16_params
+    recipe = ("paper: FP4 forward and backward" if p.backward.gemm == "nvfp4" else "mission: FP4 forward, BF16 "
+              "backward") + f", weights {p.weights.block}" + (", RHT" if p.activations.hadamard else "")
+    text = (f"ds_nvfp4: NVFP4 training ON: {len(c.converted)} Linear layers NVFP4, {kept_text}; "
+            f"{c.fp4_params / total if total else 0:.1%} of parameters; recipe {recipe}; kernel {c.kernel}")
+    if c.fused_groups:
+        text += f"; {len(c.fused_groups)} fused groups share an amax"
+    if report is not None:
+        text += (f"; ZeRO-3 weights packed: {report.packed_bytes:,} bytes vs {report.packed_bf16_equivalent_bytes:,} "
+                 f"in BF16 ({report.ratio:.3f}x, rank {report.rank})")
+    else:
+        text += f"; weights stored BF16 (weights.storage {p.weights.storage!r})"
+    return text
+
+
+def _unfuse(model, conversion: ConversionReport, groups: list[list[str]], why: str) -> None:
+    """Groups that cannot share an amax here: each member quantizes with its own (said in the report)."""
+    for names in list(groups):
+        for n in names:
+            model.get_submodule(n).fused_peers = ()
+        if names in conversion.fused_groups:
+            conversion.fused_groups.remove(names)
+        conversion.notes.append(f"fused group {', '.join(names)} does not share an amax: {why}; an NVFP4 export "
+                                "re-quantizes it with one global scale (and says so)")
 
 
 def _emit_stats(engine, stats: StatsCollector) -> None:
@@ -149,8 +203,7 @@ def _emit_stats(engine, stats: StatsCollector) -> None:
     engine.step = step
 
 
-#: written next to every checkpoint tag: what `ds-nvfp4 export` needs to know about the run
-CHECKPOINT_META = "ds_nvfp4.json"
+from .export import CHECKPOINT_META  # noqa: E402 (next to what writes it)
 
 
 def _describe_checkpoints(engine, state: NVFP4State) -> None:
@@ -161,10 +214,12 @@ def _describe_checkpoints(engine, state: NVFP4State) -> None:
     original = engine.save_checkpoint
 
     def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+        input_amax = _agreed_input_amax(engine.module)  # a collective: every rank saves
         ok = original(save_dir, tag, *args, **kwargs)
         if _is_rank0():
             real_tag = tag if tag is not None else f"global_step{engine.global_steps}"
-            meta = {"precision": state.precision.model_dump(), "conversion": state.conversion.to_dict()}
+            meta = {"precision": state.precision.model_dump(), "conversion": state.conversion.to_dict(),
+                    "input_amax": input_amax, "packed": state.store is not None}
             path = os.path.join(str(save_dir), str(real_tag), CHECKPOINT_META)
             tmp = path + ".tmp"
             with open(tmp, "w") as fh:
@@ -173,6 +228,32 @@ def _describe_checkpoints(engine, state: NVFP4State) -> None:
         return ok
 
     engine.save_checkpoint = save_checkpoint
+
+
+def _agreed_input_amax(module) -> dict[str, float | None]:
+    """Each NVFP4 layer's running input amax, max over all ranks (one all_reduce; None where never observed)."""
+    import torch
+    from deepspeed import comm as dist
+
+    from .nn import NVFP4Linear
+
+    layers = [(n, m) for n, m in module.named_modules() if isinstance(m, NVFP4Linear)]
+    if not layers:
+        return {}
+    # -1 marks "never observed" (amaxes are >= 0); NaN stays NaN on every rank only if it is seen on one, so
+    # non-finite values are counted separately and reported as None
+    local = torch.tensor([float(m.input_amax) if m.input_amax is not None else -1.0 for _, m in layers],
+                         dtype=torch.float32)
+    bad = (~torch.isfinite(local)).float()
+    both = torch.cat([torch.where(bad.bool(), torch.full_like(local, -1.0), local), bad])
+    if dist.is_initialized():
+        from deepspeed.accelerator import get_accelerator
+
+        both = both.to(get_accelerator().current_device_name())
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        both = both.cpu()
+    amax, bad = both[: len(layers)], both[len(layers):]
+    return {n: (None if bad[i] > 0 or amax[i] < 0 else float(amax[i])) for i, (n, _) in enumerate(layers)}
 
 
 def _check_zero_features(ds_config: dict) -> None:

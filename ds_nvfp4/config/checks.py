@@ -183,7 +183,13 @@ def cross_check(ds: dict, pc: PrecisionConfig) -> list[Problem]:
         out.append(Problem("precision.enabled", "NVFP4 training cannot be combined with fp16.enabled: true (it keeps "
                                                 "gradients and communication in BF16); set fp16.enabled: false and "
                                                 "bf16.enabled: true"))
-    if bf16 is not True:
+    if _is_auto(bf16):
+        out.append(Problem("bf16.enabled", '"auto": the trainer (HF Trainer/Accelerate) resolves it from its own '
+                                           "arguments, and NVFP4 training needs it to resolve to true: pass "
+                                           "TrainingArguments(bf16=True) or accelerate's --mixed_precision bf16 "
+                                           "(ds_nvfp4.initialize stops the run if it resolves to anything else)",
+                           severity="warning"))
+    elif bf16 is not True:
         out.append(Problem("precision.enabled", f"needs bf16.enabled: true (found {_show(_get(ds, 'bf16.enabled'))}): "
                                                 "NVFP4 training keeps weights-in-flight, gradients and communication "
                                                 "in BF16; add \"bf16\": {\"enabled\": true}"))
@@ -205,7 +211,7 @@ def cross_check(ds: dict, pc: PrecisionConfig) -> list[Problem]:
                            "when transposed, so forward and backward see one quantized weight", ('"bf16"',)))
     cdt = _get(ds, "communication_data_type")
     want = {"bf16": ("bf16", "bfloat16"), "fp32": ("fp32", "float32")}[pc.communication.reduce_scatter]
-    if cdt is not None and str(cdt).lower() not in want:
+    if cdt is not None and not _is_auto(cdt) and str(cdt).lower() not in want:
         out.append(Problem("precision.communication.reduce_scatter",
                            f"{_show(pc.communication.reduce_scatter)} disagrees with communication_data_type: "
                            f"{_show(cdt)}; remove communication_data_type (ds_nvfp4 sets it) or make them agree"))
@@ -215,6 +221,58 @@ def cross_check(ds: dict, pc: PrecisionConfig) -> list[Problem]:
                                                         "is enabled, so the statistics are only available from Python",
                            severity="warning"))
     return out
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+#: DeepSpeed keys that HF Trainer / Accelerate fill when their value is ``"auto"`` (transformers'
+#: ``HfTrainerDeepSpeedConfig.trainer_config_process`` and accelerate's ``DeepSpeedPlugin``), with a value of the
+#: right type that stands in for it when the rest of the file goes through DeepSpeed's own config models.
+TRAINER_AUTO_KEYS: dict[str, Any] = {
+    "train_batch_size": None, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0, "bf16.enabled": True, "fp16.enabled": False, "bfloat16.enabled": True,
+    "optimizer.params.lr": 1e-3, "optimizer.params.betas": [0.9, 0.999], "optimizer.params.eps": 1e-8,
+    "optimizer.params.weight_decay": 0.0, "scheduler.params.warmup_min_lr": 0.0,
+    "scheduler.params.warmup_max_lr": 1e-3, "scheduler.params.warmup_num_steps": 1,
+    "scheduler.params.total_num_steps": 10, "scheduler.params.warmup_type": "linear",
+    "zero_optimization.reduce_bucket_size": 500_000_000, "zero_optimization.stage3_prefetch_bucket_size": 50_000_000,
+    "zero_optimization.stage3_param_persistence_threshold": 100_000, "zero_optimization.stage3_max_live_parameters":
+    1_000_000_000, "zero_optimization.stage3_max_reuse_distance": 1_000_000_000,
+}
+
+
+def trainer_autos(ds: dict) -> tuple[dict, list[Problem]]:
+    """``"auto"`` values outside ``precision``: notes for the keys a trainer fills, errors for the others.
+
+    Returns a copy of ``ds`` with each fillable ``"auto"`` replaced by a stand-in of the right type (removed for
+    ``train_batch_size``, which depends on the world size), for DeepSpeed's own config models, and the problems.
+    """
+    out: list[Problem] = []
+    filled: list[str] = []
+    work = copy.deepcopy(ds)
+    for loc in _auto_locs({k: v for k, v in ds.items() if k != SECTION}):
+        dotted = ".".join(str(k) for k in loc)
+        parent = work
+        for k in loc[:-1]:
+            parent = parent[k]
+        if dotted in TRAINER_AUTO_KEYS:
+            if TRAINER_AUTO_KEYS[dotted] is None:
+                del parent[loc[-1]]
+            else:
+                parent[loc[-1]] = TRAINER_AUTO_KEYS[dotted]
+            if dotted != "bf16.enabled":  # that one has its own warning (cross_check)
+                filled.append(dotted)
+        else:
+            out.append(Problem(dotted, '"auto" is not a value HF Trainer or Accelerate fill for this key, and '
+                                       "DeepSpeed does not accept it; write the value",
+                               tuple(sorted(TRAINER_AUTO_KEYS))))
+    if filled:
+        out.append(Problem(", ".join(filled), '"auto": filled by HF Trainer / Accelerate from their own arguments '
+                                              "before deepspeed.initialize sees the config (a plain "
+                                              "deepspeed.initialize would reject it)", severity="note"))
+    return work, out
 
 
 def top_level_warnings(ds: dict) -> list[Problem]:

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .checks import SECTION, cross_check, salvage_section, top_level_warnings, validate_section
+from .checks import SECTION, cross_check, salvage_section, top_level_warnings, trainer_autos, validate_section
 from .problems import ConfigError, Problem
 from .schema import PrecisionConfig
 
@@ -57,10 +57,12 @@ def check_config(ds: dict, *, deepspeed_checks: bool = False) -> tuple[Precision
         if partial is not None:
             problems += [q for q in cross_check(ds, partial)
                          if not any(q.path.startswith(r) or r in q.message for r in removed)]
+    filled, auto_problems = trainer_autos(ds)
+    problems += auto_problems
     if deepspeed_checks:
         from .deepspeed_checks import deepspeed_problems
 
-        problems += deepspeed_problems(ds)
+        problems += deepspeed_problems(filled)
     return pc, problems
 
 

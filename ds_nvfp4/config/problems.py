@@ -13,14 +13,14 @@ class Problem:
     path: str
     message: str
     allowed: tuple[str, ...] = ()
-    severity: Literal["error", "warning"] = "error"
+    severity: Literal["error", "warning", "note"] = "error"
 
     def format(self, source: str | None = None) -> str:
         text = f"{self.path}: {self.message}"
         if self.allowed:
             text += f" (allowed: {', '.join(self.allowed)})"
-        if self.severity == "warning":
-            text = "warning: " + text
+        if self.severity != "error":
+            text = f"{self.severity}: {text}"
         return f"{source}: {text}" if source else text
 
     def to_dict(self) -> dict:

@@ -48,6 +48,10 @@ class ModulesConfig(StrictModel):
     exclude: list[str] = Field(["lm_head", "*embed*"], description="patterns kept BF16; exclude wins over include")
     keep_first_blocks_bf16: int = Field(0, ge=0, description="leading transformer blocks kept BF16")
     keep_last_blocks_bf16: int = Field(0, ge=0, description="trailing transformer blocks kept BF16")
+    fuse: list[list[str]] = Field(
+        [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]],
+        description="sibling Linear names that inference engines fuse into one GEMM (vLLM qkv_proj, gate_up_proj): "
+                    "their weights share one per-tensor amax (global scale), so an export is exact; [] turns it off")
 
 
 class MonitorConfig(StrictModel):

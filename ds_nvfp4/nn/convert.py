@@ -51,6 +51,32 @@ def _block_index(name: str, blocks: tuple[str, int] | None) -> int | None:
     return int(head) if head.isdigit() else None
 
 
+def _fuse(model: nn.Module, report: ConversionReport, groups: list[list[str]]) -> None:
+    """Find sibling Linears that inference engines fuse (``modules.fuse``) and make their weights share one amax.
+
+    A group is formed under one parent module by the children whose names are in one ``fuse`` entry. Only a group
+    whose members are all NVFP4 shares an amax; a group mixing NVFP4 and BF16 members is reported (vLLM and
+    TensorRT-LLM cannot load a fused layer of mixed precision).
+    """
+    decisions = {d.name: d for d in report.layers}
+    for parent, _ in model.named_modules():
+        prefix = f"{parent}." if parent else ""
+        for names in groups:
+            members = [f"{prefix}{n}" for n in names if f"{prefix}{n}" in decisions]
+            if len(members) < 2:
+                continue
+            fp4 = [m for m in members if decisions[m].fp4]
+            if len(fp4) != len(members):
+                if fp4:
+                    report.notes.append(f"fused group {', '.join(members)} mixes NVFP4 and BF16 layers: inference "
+                                        "engines fuse them into one GEMM of one precision; exclude all or none")
+                continue
+            report.fused_groups.append(members)
+            mods = [model.get_submodule(m) for m in members]
+            for m in mods:
+                m.fused_peers = tuple(o for o in mods if o is not m)
+
+
 def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, selection: Selection | None = None,
                   device=None) -> ConversionReport:
     """Convert ``model`` in place per ``precision.modules`` and return the report.
@@ -125,11 +151,12 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
             NVFP4Linear.from_linear(m, recipe)
         report.layers.append(LayerDecision(name, n_in, n_out, _numel(m.weight), fp4, reason))
 
+    _fuse(model, report, mods.fuse)
     fp4_ids = {id(model.get_submodule(d.name).weight) for d in report.layers if d.fp4}
     for p in {id(p): p for p in model.parameters()}.values():
         if id(p) in fp4_ids:
             report.fp4_params += _numel(p)
         else:
             report.bf16_params += _numel(p)
-    log.info("%s", report.table())
+    log.debug("%s", report.table())  # ds_nvfp4.initialize shows it (rank 0, visibly); see engine.announce
     return report

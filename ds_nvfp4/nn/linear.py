@@ -24,6 +24,11 @@ class NVFP4Linear(nn.Linear):
     """
 
     recipe: Recipe
+    #: sibling layers sharing this layer's weight amax (``precision.modules.fuse``; set by convert_model)
+    fused_peers: tuple[NVFP4Linear, ...]
+    #: running max of |input| over training forwards (FP32 scalar; None before the first): the static activation
+    #: scale a W4A4 export needs (``ds-nvfp4 export``), agreed across ranks when a checkpoint is saved
+    input_amax: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  recipe: Recipe | None = None) -> None:
@@ -33,6 +38,8 @@ class NVFP4Linear(nn.Linear):
     def _init_fp4(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self.stats = LayerStats()
+        self.fused_peers = ()
+        self.input_amax = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe) -> NVFP4Linear:
@@ -45,12 +52,28 @@ class NVFP4Linear(nn.Linear):
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         amax = getattr(self.weight, WEIGHT_AMAX_ATTR, None)
+        if amax is None and self.fused_peers:
+            amax = self.shared_weight_amax()
+        if self.training:
+            seen = x.detach().abs().amax().float()
+            self.input_amax = seen if self.input_amax is None else torch.maximum(self.input_amax, seen)
         if self.stats.capture:
             self.stats.observe_forward(x, self.weight, self.recipe, amax)
         out = fp4_linear(x, self.weight, self.bias, self.recipe, amax, out_dtype)
         if self.stats.capture and out.requires_grad:
             out.register_hook(self.stats.observe_grad)
         return out
+
+    def shared_weight_amax(self) -> torch.Tensor:
+        """The max of |W| over this layer and its fused peers (FP32 scalar): the one global scale an inference
+        engine's fused GEMM has. Needs every member's full weight (ZeRO-0/1/2 or no DeepSpeed; under ZeRO-3 the
+        packed store agrees on the group's amax instead)."""
+        members = (self, *self.fused_peers)
+        if any(m.weight.numel() != m.in_features * m.out_features for m in members):
+            raise RuntimeError(f"{type(self).__name__}: a fused peer's weight is partitioned (ZeRO-3 without packed "
+                               "storage): its amax cannot be read in this forward; ds_nvfp4.initialize unfuses such "
+                               "groups, convert_model cannot know")
+        return torch.stack([m.weight.detach().abs().amax().float() for m in members]).max()
 
     def extra_repr(self) -> str:
         r = self.recipe

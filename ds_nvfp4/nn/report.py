@@ -27,6 +27,8 @@ class ConversionReport:
     fp4_params: int = 0
     bf16_params: int = 0
     notes: list[str] = field(default_factory=list)
+    #: groups of converted sibling Linears whose weights share one per-tensor amax (``modules.fuse``)
+    fused_groups: list[list[str]] = field(default_factory=list)
 
     @property
     def converted(self) -> list[str]:
@@ -59,5 +61,8 @@ class ConversionReport:
         frac = self.fp4_params / total if total else 0.0
         lines.append(f"{len(self.converted)} of {len(self.layers)} Linear layers in NVFP4; parameters: "
                      f"{self.fp4_params:,} NVFP4 ({frac:.1%}), {self.bf16_params:,} BF16")
+        if self.fused_groups:
+            lines.append(f"{len(self.fused_groups)} fused groups share one weight amax each (modules.fuse), e.g. "
+                         f"{', '.join(self.fused_groups[0])}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -160,7 +160,8 @@ class _PackedGatherHandle:
 class NVFP4Store:
     """Owns the packed partitions of one engine. Created and installed by ``ds_nvfp4.initialize``."""
 
-    def __init__(self, engine, names: dict[int, str], converted: set[int], block: str, all_gather: str) -> None:
+    def __init__(self, engine, names: dict[int, str], converted: set[int], block: str, all_gather: str,
+                 fused: list[list[int]] | None = None) -> None:
         self.engine = engine
         self.opt = engine.optimizer
         self.block = block
@@ -197,6 +198,20 @@ class NVFP4Store:
         trained = {id(p) for params in self.opt.fp16_groups for p in params}
         for pid in converted - trained:
             self.kept_bf16[names.get(pid, "?")] = "not trained (no optimizer partition): stored BF16"
+        #: fused groups (weights of one inference GEMM) whose amax the store agrees on, per sub-group
+        self.fused: dict[int, list[list[Entry]]] = {}
+        #: fused groups that cannot share an amax here, with the reason (names joined by ", ")
+        self.unfused: dict[str, str] = {}
+        for pids in fused or []:
+            members = [self.entries.get(pid) for pid in pids]
+            label = ", ".join(e.name if e else names.get(pid, "?") for e, pid in zip(members, pids))
+            if any(e is None or not e.packable for e in members):
+                self.unfused[label] = "a member's partition is stored BF16 (see kept BF16)"
+            elif len({e.sub_group for e in members}) > 1:
+                self.unfused[label] = ("its members sit in different optimizer sub-groups (raise "
+                                       "zero_optimization.sub_group_size)")
+            else:
+                self.fused.setdefault(members[0].sub_group, []).append(members)
 
     # ---- packing -------------------------------------------------------------------------------------------
     def pack_group(self, sid: int) -> None:
@@ -214,7 +229,13 @@ class NVFP4Store:
                                  for e in packable]).to(self.comm_device)
             # one collective per sub-group: the per-tensor amax must be the max over every rank's partition
             self.dist.all_reduce(local, op=self.dist.ReduceOp.MAX, group=self.opt.sub_group_process_groups[sid])
-            for e, amax in zip(packable, local.to(fp32.device)):
+            local = local.to(fp32.device)
+            index = {id(e): i for i, e in enumerate(packable)}
+            for members in self.fused.get(sid, ()):
+                # one global scale per fused inference GEMM: every member takes the group's max
+                at = [index[id(e)] for e in members]
+                local[at] = local[at].max()
+            for e, amax in zip(packable, local):
                 q = pack_partition(fp32.narrow(0, e.offset, e.numel).detach(), e.layout, self.block, amax.clone())
                 e.q = q.to(e.param.ds_tensor.device)
                 setattr(e.param, WEIGHT_AMAX_ATTR, e.q.amax)
@@ -425,13 +446,17 @@ class NVFP4OptimizerMixin:
             return super().load_module_checkpoint_state_from_checkpoint_dir_stage3(*args, **kwargs)
 
 
-def install(engine, names: dict[int, str], converted: set[int], block: str, all_gather: str) -> NVFP4Store:
-    """Pack the engine's converted ZeRO-3 weights and hook DeepSpeed (called by ``ds_nvfp4.initialize``)."""
+def install(engine, names: dict[int, str], converted: set[int], block: str, all_gather: str,
+            fused: list[list[int]] | None = None) -> NVFP4Store:
+    """Pack the engine's converted ZeRO-3 weights and hook DeepSpeed (called by ``ds_nvfp4.initialize``).
+
+    ``fused`` lists groups of parameter ids (weights of one fused inference GEMM) that share one amax.
+    """
     from .guard import check_engine
 
     opt = engine.optimizer
     check_engine(opt, engine.module.parameters())
-    store = NVFP4Store(engine, names, converted, block, all_gather)
+    store = NVFP4Store(engine, names, converted, block, all_gather, fused)
     base = type(opt)
     opt.__class__ = type(f"NVFP4{base.__name__}", (NVFP4OptimizerMixin, base), {})
     opt._ds_nvfp4_store = store

@@ -35,7 +35,8 @@ def test_defaults_are_the_contract() -> None:
         "backward": {"gemm": "bf16", "stochastic_rounding": True, "hadamard": True},
         "communication": {"all_gather": "bf16", "reduce_scatter": "bf16"},
         "modules": {"include": ["*"], "exclude": ["lm_head", "*embed*"],
-                    "keep_first_blocks_bf16": 0, "keep_last_blocks_bf16": 0},
+                    "keep_first_blocks_bf16": 0, "keep_last_blocks_bf16": 0,
+                    "fuse": [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]]},
         "kernel": None, "monitor": {"enabled": False, "interval": 100},
     }
 
@@ -205,7 +206,10 @@ def _values_from_schema(schema: dict, defs: dict) -> st.SearchStrategy:
     if t == "integer":
         return st.integers(min_value=schema.get("minimum", 0), max_value=1000)
     if t == "array":
-        return st.lists(st.text(alphabet="abc.*_", min_size=1, max_size=6), max_size=3)
+        items = schema.get("items", {"type": "string"})
+        inner = (_values_from_schema(items, defs) if items.get("type") != "string"
+                 else st.text(alphabet="abc.*_", min_size=1, max_size=6))
+        return st.lists(inner, max_size=3)
     if t == "null":
         return st.none()
     raise AssertionError(f"schema type not covered by the test: {schema}")
@@ -226,3 +230,48 @@ def test_anything_the_schema_allows_validates(section: dict) -> None:
 
 def _is_cross_check(p) -> bool:
     return any(s in p.message for s in ("needs", "disagrees", "cannot be combined"))
+
+
+HF_CONFIG = {
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto"},
+    "precision": {"enabled": True},
+}
+
+
+def test_trainer_auto_values_are_accepted_with_a_note_and_a_bf16_warning() -> None:
+    pc, probs = check_config(copy.deepcopy(HF_CONFIG), deepspeed_checks=True)
+    assert pc is not None and [p for p in probs if p.severity == "error"] == []
+    notes = [p for p in probs if p.severity == "note"]
+    assert len(notes) == 1 and "optimizer.params.lr" in notes[0].path and "HF Trainer" in notes[0].message
+    warn = [p for p in probs if p.severity == "warning"]
+    assert [p.path for p in warn] == ["bf16.enabled"] and "resolve to true" in warn[0].message
+
+
+def test_auto_outside_what_trainers_fill_and_inside_precision_stay_errors() -> None:
+    d = copy.deepcopy(HF_CONFIG)
+    d["zero_optimization"]["stage"] = "auto"
+    d["precision"]["kernel"] = "auto"
+    paths = {p.path for p in errors(d)}
+    assert {"zero_optimization.stage", "precision.kernel"} <= paths
+    # once resolved, bf16 false is the usual error (what initialize sees after HF filled "auto")
+    d = copy.deepcopy(HF_CONFIG)
+    d["bf16"]["enabled"] = False
+    assert any("needs bf16.enabled: true" in p.message for p in errors(d))
+
+
+def test_validate_cli_accepts_a_trainer_config(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps(HF_CONFIG))
+    r = subprocess.run([sys.executable, "-m", "ds_nvfp4", "validate", str(f)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "note:" in r.stdout and "warning: bf16.enabled" in r.stdout and r.stdout.strip().endswith(": ok")

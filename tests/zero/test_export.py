@@ -97,9 +97,28 @@ def test_compressed_tensors_export_reloads_with_the_library(checkpoint: Path, ma
         assert torch.equal(got["weight"].to(torch.bfloat16), want), (layer, ct.__version__)
 
 
-def test_export_errors(tmp_path: Path) -> None:
+def test_export_errors(checkpoint: Path, tmp_path: Path) -> None:
     r = cli("export", str(tmp_path / "nope"), str(tmp_path / "out"), "--format", "bf16")
     assert r.returncode == 2 and "not a directory" in r.stderr
     (tmp_path / "ck" / "t1").mkdir(parents=True)
+    (tmp_path / "ck" / "t1" / "mp_rank_00_model_states.pt").write_bytes(b"")
     r = cli("export", str(tmp_path / "ck"), str(tmp_path / "out"), "--format", "bf16", "--tag", "t1")
     assert r.returncode == 2 and "ds_nvfp4.json: missing" in r.stderr
+    # a missing tag lists the tags that exist
+    r = cli("export", str(checkpoint), str(tmp_path / "out"), "--format", "bf16", "--tag", "step9")
+    assert r.returncode == 2 and "no checkpoint tag 'step9'" in r.stderr and "step3" in r.stderr, r.stderr
+    # OUT is a file: a clear error, the file untouched
+    (tmp_path / "file").write_text("keep")
+    r = cli("export", str(checkpoint), str(tmp_path / "file"), "--format", "bf16")
+    assert r.returncode == 2 and "is a file" in r.stderr and (tmp_path / "file").read_text() == "keep"
+    # an existing non-empty OUT is refused; --force replaces it whole (no stale config.json left behind)
+    out = tmp_path / "existing"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    r = cli("export", str(checkpoint), str(out), "--format", "nvfp4-modelopt")
+    assert r.returncode == 2 and "not empty" in r.stderr and "--force" in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    r = cli("export", str(checkpoint), str(out), "--format", "nvfp4-modelopt", "--force")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["hf_quant_config.json", "model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folders left behind"

@@ -155,3 +155,15 @@ def test_precision_statistics_reach_deepspeeds_monitor(tmp_path) -> None:
     rel = [float(r.split(",")[1]) for r in files["Train_Precision_blocks.0.fc1_input_rel_error.csv"].read_text()
            .splitlines()[1:]]
     assert all(0.01 < v < 0.3 for v in rel), rel  # 1x16 NVFP4 of Gaussian-like activations: ~10% relative error
+
+
+def test_unmodified_deepspeed_initialize_with_zero_init_model_trains_nvfp4() -> None:
+    """The contract of the start-up hook, on 2 real ranks: plain ``deepspeed.initialize`` honours ``precision``."""
+    for r in run_ranks("plain_deepspeed"):
+        assert r["wrapped"], "ds_nvfp4_autohook.pth did not wrap deepspeed.initialize (is the package installed?)"
+        assert r["partitioned_at_construction"]
+        assert r["has_state"] and r["report"]["packed_params"] > 0 and r["report"]["ratio"] < 0.3
+        assert r["exact"] and all(x["equal"] for x in r["exact"].values() if x["packed"])
+        assert r["finite"] and r["losses"][-1] < r["losses"][0]
+        assert "precision.weights.storage" in r["invalid"] and '"fp8"' in r["invalid"]
+        assert not r["no_section_state"] and not r["opt_out_state"]

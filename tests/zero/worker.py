@@ -248,6 +248,51 @@ def scenario_args_form(rank: int, p: dict) -> dict:
     return out
 
 
+def scenario_plain_deepspeed(rank: int, p: dict) -> dict:
+    """An unmodified script: model built under ``deepspeed.zero.Init``, then plain ``deepspeed.initialize``.
+
+    The start-up hook (ds_nvfp4_autohook.pth) must route it to ds_nvfp4 when the config has a ``precision``
+    section, refuse an invalid section, and leave DeepSpeed alone without one or with ``DS_NVFP4_AUTO=0``.
+    """
+    import deepspeed
+
+    from ds_nvfp4.config import ConfigError
+
+    def build(cfg: dict) -> nn.Module:
+        torch.manual_seed(0)
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            return Net()
+
+    out: dict = {"wrapped": hasattr(deepspeed.initialize, "__ds_nvfp4_original__")}
+    cfg = config()
+    model = build(cfg)
+    out["partitioned_at_construction"] = all(hasattr(q, "ds_id") and q.numel() == 0
+                                             for q in model.blocks[0].fc1.parameters())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    out["has_state"] = hasattr(engine, "ds_nvfp4")
+    out["losses"] = train(engine, range(4), rank)
+    rep = engine.ds_nvfp4.store.report() if out["has_state"] and engine.ds_nvfp4.store else None
+    out["report"] = rep.to_dict() if rep else None
+    out["exact"] = exactness(engine) if out["has_state"] else {}
+
+    bad = config()
+    bad["precision"]["weights"] = {"storage": "fp8"}
+    try:
+        deepspeed.initialize(model=Net(), model_parameters=Net().parameters(), config=bad)
+        out["invalid"] = "no error"
+    except ConfigError as exc:
+        out["invalid"] = str(exc)
+
+    plain = config()
+    del plain["precision"]
+    e2, *_ = deepspeed.initialize(model=build(plain), config=plain)
+    out["no_section_state"] = hasattr(e2, "ds_nvfp4")
+    os.environ["DS_NVFP4_AUTO"] = "0"
+    e3, *_ = deepspeed.initialize(model=build(cfg), config=config())
+    out["opt_out_state"] = hasattr(e3, "ds_nvfp4")
+    return out
+
+
 def main() -> None:
     name, out, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     import deepspeed

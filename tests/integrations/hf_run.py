@@ -1,0 +1,63 @@
+"""Launching the unmodified HF scripts on 2 CPU ranks with the real launchers (shared by the tests here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.zero.harness import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+BIN = Path(sys.executable).parent
+TIMEOUT = 900
+
+#: what HF Trainer / Accelerate users put in their ds_config: "auto" wherever the trainer fills it
+HF_DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto", "torch_adam": True}},
+    "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto"},
+    "precision": {"enabled": True},
+}
+
+
+def env() -> dict[str, str]:
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    return {**keep, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+            "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+
+
+def launch(cmd: list[str], log: Path) -> str:
+    """Run a launcher command to completion (bounded); its output goes to ``log``; fail with its tail."""
+    with open(log, "w") as fh:
+        r = subprocess.run(cmd, cwd=ROOT, env=env(), stdout=fh, stderr=subprocess.STDOUT, timeout=TIMEOUT)
+    text = log.read_text()
+    assert r.returncode == 0, f"{' '.join(cmd[:3])} failed ({r.returncode}):\n{text[-6000:]}"
+    return text
+
+
+def run_hf_trainer(root: Path) -> Path:
+    """Save a tiny Llama, fine-tune it with the unmodified Trainer script under ``deepspeed --num_gpus 2``
+    (from_pretrained builds it under zero.Init); returns the output folder (``checkpoint-6`` inside)."""
+    import torch
+
+    from tests.integrations.hf_trainer_script import tiny_llama
+
+    model_dir = root / "tiny-llama"
+    torch.manual_seed(0)
+    tiny_llama().to(torch.bfloat16).save_pretrained(model_dir)
+    # without train_batch_size: on CPU, HF's from_pretrained under zero.Init builds DeepSpeedConfig before the
+    # world size is known and fails its batch assertion on the resolved value (plain DeepSpeed does it too)
+    (root / "ds.json").write_text(json.dumps({k: v for k, v in HF_DS_CONFIG.items() if k != "train_batch_size"}))
+    out = root / "out"
+    out.mkdir()
+    launch([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+            str(HERE / "hf_trainer_script.py"), "--deepspeed", str(root / "ds.json"), "--out", str(out),
+            "--model_dir", str(model_dir)], root / "log.txt")
+    return out

@@ -1,0 +1,59 @@
+"""The start-up hook: installed by the package, light at interpreter start, routes only configs with ``precision``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import ds_nvfp4_autohook as hook
+
+PROBE = ("import sys; print(json.dumps({'hook': 'ds_nvfp4_autohook' in sys.modules, 'torch': 'torch' in sys.modules,"
+         " 'deepspeed': 'deepspeed' in sys.modules}))")
+
+
+def python(code: str, **env: str) -> str:
+    import os
+
+    r = subprocess.run([sys.executable, "-c", f"import json; {code}"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "DS_ACCELERATOR": "cpu", **env})
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().splitlines()[-1]
+
+
+def test_pth_file_is_installed_and_imports_nothing_heavy() -> None:
+    site = [Path(p) for p in sys.path if p.endswith("site-packages")]
+    assert any((p / "ds_nvfp4_autohook.pth").is_file() for p in site), f"no ds_nvfp4_autohook.pth in {site}"
+    state = json.loads(python(PROBE))
+    assert state == {"hook": True, "torch": False, "deepspeed": False}
+    assert json.loads(python(PROBE, DS_NVFP4_AUTO="0"))["hook"] is False
+
+
+def test_importing_deepspeed_wraps_initialize_once_keeping_its_signature() -> None:
+    out = json.loads(python("import deepspeed, inspect; f = deepspeed.initialize; print(json.dumps({'wrapped': "
+                            "hasattr(f, '__ds_nvfp4_original__'), 'params': list(inspect.signature(f).parameters), "
+                            "'twice': hasattr(f.__ds_nvfp4_original__, '__ds_nvfp4_original__')}))"))
+    assert out["wrapped"] and not out["twice"]
+    assert out["params"][:3] == ["args", "model", "optimizer"] and "config" in out["params"]
+    off = json.loads(python("import deepspeed; print(json.dumps(hasattr(deepspeed.initialize, "
+                            "'__ds_nvfp4_original__')))", DS_NVFP4_AUTO="0"))
+    assert off is False
+
+
+def test_which_configs_are_routed(tmp_path: Path) -> None:
+    with_section, without = tmp_path / "a.json", tmp_path / "b.json"
+    with_section.write_text(json.dumps({"precision": {"enabled": False}}))
+    without.write_text(json.dumps({"train_batch_size": 8, "note": "precision"}))
+    broken = tmp_path / "c.json"
+    broken.write_text('{"precision": {"enabled": true},}')
+    assert hook.has_precision_section({"precision": {}}) and not hook.has_precision_section({"bf16": {}})
+    assert hook.has_precision_section(with_section) and hook.has_precision_section(str(with_section))
+    assert not hook.has_precision_section(without)
+    assert hook.has_precision_section(broken)  # ds_nvfp4 reports the syntax error instead of DeepSpeed ignoring it
+    assert not hook.has_precision_section(tmp_path / "missing.json")
+    args = argparse.Namespace(deepspeed_config=str(with_section))
+    assert hook._config_source((args,), {}) == str(with_section)
+    assert hook._config_source((), {"args": args, "config": {"x": 1}}) == {"x": 1}
+    assert hook._config_source((), {"config_params": {"y": 1}}) == {"y": 1}
