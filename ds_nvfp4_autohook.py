@@ -14,11 +14,10 @@ Opt out with ``DS_NVFP4_AUTO=0`` in the environment (read at interpreter start a
 
 from __future__ import annotations
 
-import importlib.abc
-import json
+# Only os and sys (already loaded by the interpreter): this module is imported at every interpreter start, so
+# importlib.abc (13 ms), json and typing are avoided; the finder and loader follow the protocols by duck typing.
 import os
 import sys
-from typing import Any
 
 #: attribute of the wrapper holding DeepSpeed's own ``initialize``
 ORIGINAL_ATTR = "__ds_nvfp4_original__"
@@ -28,13 +27,13 @@ def enabled() -> bool:
     return os.environ.get("DS_NVFP4_AUTO", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def original_initialize(deepspeed_module: Any):
+def original_initialize(deepspeed_module: object):
     """DeepSpeed's own ``initialize``, whether or not the hook wrapped it (``ds_nvfp4.initialize`` calls this)."""
     fn = deepspeed_module.initialize
     return getattr(fn, ORIGINAL_ATTR, fn)
 
 
-def _config_source(args: tuple, kwargs: dict) -> Any:
+def _config_source(args: tuple, kwargs: dict) -> object:
     """The ds_config of a ``deepspeed.initialize`` call, as DeepSpeed resolves it: ``config``, then
     ``config_params``, then ``args.deepspeed_config`` (``args`` is the first positional parameter)."""
     for key in ("config", "config_params"):
@@ -44,7 +43,7 @@ def _config_source(args: tuple, kwargs: dict) -> Any:
     return getattr(ns, "deepspeed_config", None)
 
 
-def has_precision_section(source: Any) -> bool:
+def has_precision_section(source: object) -> bool:
     """Whether a ds_config (dict or path) has a top-level ``precision`` key. An unreadable path is left to
     DeepSpeed (which raises its own error) unless the text mentions the key, in which case ds_nvfp4 reports it."""
     if isinstance(source, dict):
@@ -57,6 +56,8 @@ def has_precision_section(source: Any) -> bool:
             return False
         if '"precision"' not in text:
             return False
+        import json
+
         try:
             data = json.loads(text)
         except ValueError:
@@ -65,7 +66,7 @@ def has_precision_section(source: Any) -> bool:
     return False
 
 
-def _wrap(deepspeed_module: Any) -> None:
+def _wrap(deepspeed_module: object) -> None:
     original = deepspeed_module.initialize
     if hasattr(original, ORIGINAL_ATTR):
         return
@@ -85,10 +86,10 @@ def _wrap(deepspeed_module: Any) -> None:
     deepspeed_module.initialize = initialize
 
 
-class _Loader(importlib.abc.Loader):
+class _Loader:
     """Runs DeepSpeed's own loader, then wraps ``initialize`` before anyone can read it."""
 
-    def __init__(self, inner: importlib.abc.Loader) -> None:
+    def __init__(self, inner) -> None:
         self.inner = inner
 
     def create_module(self, spec):
@@ -102,7 +103,7 @@ class _Loader(importlib.abc.Loader):
         return getattr(self.inner, name)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     """Finds nothing itself: asks the other finders for ``deepspeed`` and swaps in :class:`_Loader`."""
 
     def find_spec(self, fullname, path=None, target=None):

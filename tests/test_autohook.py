@@ -57,3 +57,23 @@ def test_which_configs_are_routed(tmp_path: Path) -> None:
     assert hook._config_source((args,), {}) == str(with_section)
     assert hook._config_source((), {"args": args, "config": {"x": 1}}) == {"x": 1}
     assert hook._config_source((), {"config_params": {"y": 1}}) == {"y": 1}
+
+
+def test_a_wheel_carries_the_pth_file_and_it_works_from_a_site_dir(tmp_path: Path) -> None:
+    """The other install kind: ``pip wheel`` puts the .pth at the wheel's root, i.e. into site-packages."""
+    import zipfile
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                        str(tmp_path), str(root)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    wheel = next(tmp_path.glob("ds_nvfp4-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read("ds_nvfp4_autohook.pth") == (root / "ds_nvfp4_autohook.pth").read_bytes()
+        z.extract("ds_nvfp4_autohook.pth", tmp_path / "site")
+        z.extract("ds_nvfp4_autohook.py", tmp_path / "site")
+    # a fresh interpreter that skips the normal site-packages, then adds the wheel's files as a site dir
+    code = (f"import site, sys; site.addsitedir({str(tmp_path / 'site')!r}); "
+            "print('ds_nvfp4_autohook' in sys.modules, sys.modules['ds_nvfp4_autohook'].__file__)")
+    r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("True " + str(tmp_path)), (r.stdout, r.stderr)

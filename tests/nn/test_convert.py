@@ -98,3 +98,44 @@ def test_converted_model_runs_and_matches_state_dict() -> None:
     assert out_b.shape == out_a.shape
     rel = (out_a - out_b).norm() / out_a.norm()
     assert 0 < rel < 0.2  # FP4 is really on (not bit-identical to BF16) and close
+
+
+class _Attn(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d, bias=False) for _ in range(4))
+
+
+class _Llamaish(nn.Module):
+    """Two blocks with q/k/v/o and gate/up/down names (what vLLM fuses), the second with an excluded v_proj."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Attn(d) for _ in range(2))
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, 64), nn.Linear(d, 64), nn.Linear(64, d)
+
+
+def test_fused_groups_share_one_weight_amax_in_the_forward() -> None:
+    torch.manual_seed(0)
+    m = _Llamaish()
+    with torch.no_grad():
+        m.layers[0].k_proj.weight.mul_(8.0)  # the group's largest |W|: q and v must quantize with it
+    rep = ds_nvfp4.convert_model(m, {"enabled": True, "modules": {"exclude": ["layers.1.v_proj"]}})
+    assert rep.fused_groups == [["gate_proj", "up_proj"], ["layers.0.q_proj", "layers.0.k_proj", "layers.0.v_proj"]]
+    assert any("layers.1.q_proj, layers.1.k_proj, layers.1.v_proj mixes NVFP4 and BF16" in n for n in rep.notes)
+    assert m.layers[1].q_proj.fused_peers == ()
+    assert "2 fused groups" in rep.table()
+    q, k = m.layers[0].q_proj, m.layers[0].k_proj
+    assert torch.equal(q.shared_weight_amax(), k.weight.abs().max())
+    x = torch.randn(4, 32)
+    from ds_nvfp4.nn.ops import fp4_linear
+
+    shared = fp4_linear(x, q.weight, None, q.recipe, k.weight.abs().max())
+    own = fp4_linear(x, q.weight, None, q.recipe, q.weight.abs().max())
+    assert torch.equal(q(x), shared) and not torch.equal(shared, own)
+    # the running input amax a W4A4 export needs: training forwards only
+    q.eval()
+    q(x * 100)
+    assert q.input_amax == x.abs().max()
+    rep_off = ds_nvfp4.convert_model(_Llamaish(), {"enabled": True, "modules": {"fuse": []}})
+    assert rep_off.fused_groups == []

@@ -164,6 +164,16 @@ def test_unmodified_deepspeed_initialize_with_zero_init_model_trains_nvfp4() -> 
         assert r["partitioned_at_construction"]
         assert r["has_state"] and r["report"]["packed_params"] > 0 and r["report"]["ratio"] < 0.3
         assert r["exact"] and all(x["equal"] for x in r["exact"].values() if x["packed"])
-        assert r["finite"] and r["losses"][-1] < r["losses"][0]
+        assert r["finite"] and r["losses"] == r["explicit_losses"]  # exactly what ds_nvfp4.initialize does
         assert "precision.weights.storage" in r["invalid"] and '"fp8"' in r["invalid"]
         assert not r["no_section_state"] and not r["opt_out_state"]
+
+
+def test_fused_groups_share_one_amax_in_the_packed_store_and_are_unfused_with_bf16_storage() -> None:
+    r0 = run_ranks("fused")[0]
+    assert r0["fused_groups"] == [[f"blocks.{i}.fc1", f"blocks.{i}.fc2"] for i in range(3)]
+    assert all(v["group"] for v in r0["layers"].values()), r0["layers"]
+    assert not all(v["own"] for v in r0["layers"].values())  # the shared amax is not each layer's own
+    r0 = run_ranks("fused", config={"precision.weights.storage": "bf16"})[0]
+    assert r0["fused_groups"] == []
+    assert sum("does not share an amax: ZeRO-3 with weights.storage" in n for n in r0["notes"]) == 3, r0["notes"]

@@ -248,6 +248,36 @@ def scenario_args_form(rank: int, p: dict) -> dict:
     return out
 
 
+def scenario_fused(rank: int, p: dict) -> dict:
+    """``modules.fuse: [["fc1", "fc2"]]``: each block's fc1/fc2 share one amax (packed store), or are unfused with
+    a note (ZeRO-3 with BF16 storage). Reports, per layer, whether the forward's weight equals the quantized
+    master with the group's amax and with its own."""
+    import deepspeed
+
+    import ds_nvfp4
+
+    cfg = config(**{"precision.modules.fuse": [["fc1", "fc2"]], **p.get("config", {})})
+    engine = make_engine(cfg)
+    train(engine, range(2), rank)
+    state = engine.ds_nvfp4
+    masters = {n: deepspeed.utils.safe_get_full_fp32_param(m.weight) for n, m in engine.module.named_modules()
+               if n.endswith((".fc1", ".fc2"))}
+    out: dict = {"fused_groups": state.conversion.fused_groups, "notes": state.conversion.notes, "layers": {}}
+    for name, master in masters.items():
+        m = engine.module.get_submodule(name)
+        peer = masters[name[:-1] + ("2" if name.endswith("1") else "1")]
+        with deepspeed.zero.GatheredParameters([m.weight]):
+            seen = m.weight.data.clone()
+
+        def q(amax, w=master):
+            return ds_nvfp4.quantize(w, block="16x16", amax=amax).dequantize(torch.bfloat16)
+
+        out["layers"][name] = {"group": bool(torch.equal(seen, q(torch.maximum(master.abs().max(),
+                                                                               peer.abs().max())))),
+                               "own": bool(torch.equal(seen, q(master.abs().max())))}
+    return out
+
+
 def scenario_plain_deepspeed(rank: int, p: dict) -> dict:
     """An unmodified script: model built under ``deepspeed.zero.Init``, then plain ``deepspeed.initialize``.
 
@@ -274,6 +304,10 @@ def scenario_plain_deepspeed(rank: int, p: dict) -> dict:
     rep = engine.ds_nvfp4.store.report() if out["has_state"] and engine.ds_nvfp4.store else None
     out["report"] = rep.to_dict() if rep else None
     out["exact"] = exactness(engine) if out["has_state"] else {}
+    import ds_nvfp4
+
+    explicit, *_ = ds_nvfp4.initialize(model=build(cfg), config=config())
+    out["explicit_losses"] = train(explicit, range(4), rank)
 
     bad = config()
     bad["precision"]["weights"] = {"storage": "fp8"}
