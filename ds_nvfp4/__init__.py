@@ -8,7 +8,7 @@ Layers, each importing only the ones before it:
 from . import data
 from .config import ConfigError, PrecisionConfig, load_config
 from .format import NVFP4Tensor, dequantize, hadamard, inverse_hadamard, quantize
-from .nn import ConversionReport, NVFP4Linear, convert_model
+from .nn import ConversionReport, NonFiniteError, NVFP4Linear, convert_model
 
 
 def initialize(*args, **kwargs):
@@ -27,7 +27,7 @@ def storage_report(engine):
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConfigError", "ConversionReport", "NVFP4Linear", "NVFP4Tensor", "PrecisionConfig", "__version__",
+    "ConfigError", "ConversionReport", "NVFP4Linear", "NVFP4Tensor", "NonFiniteError", "PrecisionConfig", "__version__",
     "convert_model", "data", "dequantize", "hadamard", "initialize", "inverse_hadamard", "load_config", "quantize",
     "storage_report",
 ]

@@ -22,7 +22,7 @@ import ds_nvfp4_autohook
 
 from .config import ConfigError, PrecisionConfig, Problem, load_config
 from .kernels import Selection, select
-from .nn import ConversionReport, StatsCollector, convert_model
+from .nn import ConversionReport, NonFiniteError, StatsCollector, convert_model, nonfinite_layers
 from .zero.shm import release_shm_workspace
 
 log = logging.getLogger("ds_nvfp4")
@@ -37,6 +37,8 @@ class NVFP4State:
     conversion: ConversionReport
     store: Any = None              # zero.NVFP4Store when weights are stored packed
     stats: StatsCollector | None = None
+    skipped_steps: int = 0         # optimizer steps skipped for non-finite gradients (precision.nonfinite)
+    consecutive_skips: int = 0
 
 
 def _resolve_config(bound: inspect.BoundArguments) -> tuple[str, Any]:
@@ -84,8 +86,7 @@ def initialize(*args, **kwargs):
         ds_config.setdefault("communication_data_type", "fp32")
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     packed = precision.weights.storage == "nvfp4"
-    if packed:
-        _check_zero_features(ds_config)
+    if packed:  # (the DeepSpeed features packed storage excludes are config rules: config/checks.py)
         from .zero.guard import check_version
 
         warning = check_version(os.environ.get("DS_NVFP4_ALLOW_UNTESTED_DEEPSPEED") == "1")
@@ -129,6 +130,7 @@ def initialize(*args, **kwargs):
         state.stats = StatsCollector(engine.module, precision.monitor.interval)
         _emit_stats(engine, state.stats)
     engine.ds_nvfp4 = state
+    _guard_nonfinite(engine, state)
     _describe_checkpoints(engine, state)
     if _is_rank0():
         report = state.store.report() if state.store is not None else None
@@ -165,6 +167,51 @@ def summary_line(state: NVFP4State, report=None) -> str:
     else:
         text += f"; weights stored BF16 (weights.storage {p.weights.storage!r})"
     return text
+
+
+def _guard_nonfinite(engine, state: NVFP4State) -> None:
+    """``precision.nonfinite``: act on the steps DeepSpeed skips for NaN/Inf gradients.
+
+    DeepSpeed's BF16 optimizers (every ZeRO stage, ``bf16.check_grad_overflow`` true) already test the gradient
+    norm, agree on the result across ranks, and skip the step, leaving masters and optimizer state untouched; they
+    count it in ``engine.skipped_steps``. This wrapper reads that counter (no second pass over the gradients) and
+    raises :class:`NonFiniteError` on every rank, or counts, reports and bounds the skips.
+    """
+    cfg = state.precision.nonfinite
+    original_step = engine.step
+
+    def step(*args, **kwargs):
+        before = engine.skipped_steps
+        boundary = engine.is_gradient_accumulation_boundary()
+        out = original_step(*args, **kwargs)
+        if not boundary:
+            return out
+        culprits = nonfinite_layers(engine.module)  # read and reset every optimizer step
+        if engine.skipped_steps == before:
+            state.consecutive_skips = 0
+            return out
+        state.skipped_steps += 1
+        state.consecutive_skips += 1
+        step_no = engine.global_steps  # DeepSpeed counts skipped steps too: this is the attempted step, from 1
+        where = (f"first FP4 layers with a non-finite input or output on this rank: {', '.join(culprits[:4])}"
+                 if culprits else "no FP4 layer saw a non-finite forward input or output on this rank: the values "
+                                  "arose in the backward, the loss or a BF16 layer")
+        what = (f"ds_nvfp4: step {step_no}: gradients hold NaN/Inf (DeepSpeed's gradient-norm check); {where}; "
+                "the FP32 masters and optimizer state are unchanged")
+        if cfg.action == "raise":
+            raise NonFiniteError(what + ' (precision.nonfinite.action: "raise")')
+        if state.consecutive_skips > cfg.max_consecutive_skips:
+            raise NonFiniteError(f"{what}; {state.consecutive_skips} steps in a row were skipped, more than "
+                                 f"precision.nonfinite.max_consecutive_skips ({cfg.max_consecutive_skips})")
+        if _is_rank0():  # WARNING reaches stderr even where the script configured no logging (last resort)
+            log.warning("%s; skipped (%d skipped so far, %d in a row)", what, state.skipped_steps,
+                        state.consecutive_skips)
+        if engine.monitor.enabled:
+            engine.monitor.write_events([("Train/Precision/skipped_steps", state.skipped_steps,
+                                          engine.global_samples)])
+        return out
+
+    engine.step = step
 
 
 def _unfuse(model, conversion: ConversionReport, groups: list[list[str]], why: str) -> None:
@@ -231,45 +278,19 @@ def _describe_checkpoints(engine, state: NVFP4State) -> None:
 
 
 def _agreed_input_amax(module) -> dict[str, float | None]:
-    """Each NVFP4 layer's running input amax, max over all ranks (one all_reduce; None where never observed)."""
+    """Each NVFP4 layer's running input amax, max over all ranks (one collective; None where never observed)."""
     import torch
-    from deepspeed import comm as dist
 
     from .nn import NVFP4Linear
+    from .zero.collectives import agree_max
 
     layers = [(n, m) for n, m in module.named_modules() if isinstance(m, NVFP4Linear)]
     if not layers:
         return {}
-    # -1 marks "never observed" (amaxes are >= 0); NaN stays NaN on every rank only if it is seen on one, so
-    # non-finite values are counted separately and reported as None
-    local = torch.tensor([float(m.input_amax) if m.input_amax is not None else -1.0 for _, m in layers],
-                         dtype=torch.float32)
-    bad = (~torch.isfinite(local)).float()
-    both = torch.cat([torch.where(bad.bool(), torch.full_like(local, -1.0), local), bad])
-    if dist.is_initialized():
-        from deepspeed.accelerator import get_accelerator
-
-        both = both.to(get_accelerator().current_device_name())
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        both = both.cpu()
-    amax, bad = both[: len(layers)], both[len(layers):]
+    # -1 marks "never observed" (amaxes are >= 0)
+    amax, bad = agree_max(torch.tensor([float(m.input_amax) if m.input_amax is not None else -1.0
+                                        for _, m in layers], dtype=torch.float32))
     return {n: (None if bad[i] > 0 or amax[i] < 0 else float(amax[i])) for i, (n, _) in enumerate(layers)}
-
-
-def _check_zero_features(ds_config: dict) -> None:
-    """DeepSpeed features that cannot be combined with packed storage: a clear error before anything starts."""
-    zero = ds_config.get("zero_optimization", {})
-    for key, why in (
-        ("zero_quantized_weights", "ZeRO++ qwZ re-quantizes the gathered weights to int8 with DeepSpeed's CUDA-only "
-                                   'quantizer; use precision.communication.all_gather: "nvfp4" instead (3.5x less '
-                                   "traffic, exact)"),
-        ("zero_quantized_nontrainable_weights", "it swaps frozen weights' partitions for int8 tensors, which the "
-                                                "NVFP4 store cannot pack; freeze nothing or use weights.storage "
-                                                '"bf16"'),
-    ):
-        if zero.get(key):
-            raise ConfigError([Problem(f"zero_optimization.{key}",
-                                       f'cannot be combined with precision.weights.storage: "nvfp4": {why}')])
 
 
 def storage_report(engine):

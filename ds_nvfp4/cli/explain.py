@@ -54,6 +54,14 @@ def describe(ds: dict, pc: PrecisionConfig) -> list[str]:
                                        else "best available, chosen and logged at start-up (`ds-nvfp4 env` shows it)"))
     if pc.monitor.enabled:
         lines.append(f"  Quantization statistics every {pc.monitor.interval} steps under Train/Precision/<layer>/...")
+    nf = pc.nonfinite
+    lines.append("  NaN/Inf gradients: " + (
+        "the step raises ds_nvfp4.NonFiniteError on every rank, naming the step and the first FP4 layers that saw "
+        "non-finite values; masters unchanged" if nf.action == "raise" else
+        f"the step is skipped (DeepSpeed's skip), counted in engine.ds_nvfp4.skipped_steps and logged; more than "
+        f"{nf.max_consecutive_skips} in a row raise ds_nvfp4.NonFiniteError"))
+    if pc.modules.fuse:
+        lines.append(f"  Fused groups (one weight amax each, for inference engines): {pc.modules.fuse}")
     return lines
 
 

@@ -215,11 +215,43 @@ def cross_check(ds: dict, pc: PrecisionConfig) -> list[Problem]:
         out.append(Problem("precision.communication.reduce_scatter",
                            f"{_show(pc.communication.reduce_scatter)} disagrees with communication_data_type: "
                            f"{_show(cdt)}; remove communication_data_type (ds_nvfp4 sets it) or make them agree"))
+    if pc.weights.storage == "nvfp4" and stage == 3:
+        out += _packed_storage_conflicts(ds)
+    if _get(ds, "bf16.check_grad_overflow", True) is False:
+        out.append(Problem("bf16.check_grad_overflow", "is false, so DeepSpeed applies steps whose gradients hold "
+                                                       "NaN/Inf and precision.nonfinite cannot stop them before they "
+                                                       "reach the FP32 masters; remove it (default true)", ("true",)))
     if pc.monitor.enabled and not any(_get(ds, f"{m}.enabled", False) for m in ("tensorboard", "csv_monitor",
                                                                                    "wandb", "comet")):
         out.append(Problem("precision.monitor.enabled", "no DeepSpeed monitor (tensorboard, csv_monitor, wandb, comet) "
                                                         "is enabled, so the statistics are only available from Python",
                            severity="warning"))
+    return out
+
+
+#: DeepSpeed ZeRO-3 features that cannot be combined with ``weights.storage: "nvfp4"``, and why
+PACKED_STORAGE_CONFLICTS = {
+    "zero_optimization.zero_quantized_weights": (
+        True, "ZeRO++ qwZ re-quantizes the gathered weights to int8 with DeepSpeed's CUDA-only quantizer; use "
+              'precision.communication.all_gather: "nvfp4" instead (3.5x less traffic, exact)'),
+    "zero_optimization.zero_quantized_nontrainable_weights": (
+        True, "it swaps frozen weights' partitions for int8 tensors, which the NVFP4 store cannot pack; freeze "
+              'nothing or use weights.storage "bf16"'),
+    "zero_optimization.offload_param.device": (
+        "nvme", "DeepSpeed swaps parameter partitions to NVMe through its own flat buffers, which packed storage "
+                'replaces; use offload_param.device "cpu" or weights.storage "bf16"'),
+    "zero_optimization.offload_optimizer.device": (
+        "nvme", "the packed partitions are re-derived from the FP32 masters after each step, which NVMe "
+                'offload keeps swapped out; use offload_optimizer.device "cpu" or weights.storage "bf16"'),
+}
+
+
+def _packed_storage_conflicts(ds: dict) -> list[Problem]:
+    out = []
+    for path, (bad, why) in PACKED_STORAGE_CONFLICTS.items():
+        if _get(ds, path) == bad:
+            out.append(Problem(path, f'{_show(bad)} cannot be combined with precision.weights.storage: "nvfp4": '
+                                     f"{why}"))
     return out
 
 

@@ -59,6 +59,13 @@ class MonitorConfig(StrictModel):
     interval: int = Field(100, ge=1, description="steps between two statistics snapshots")
 
 
+class NonFiniteConfig(StrictModel):
+    action: Literal["raise", "skip"] = Field(
+        "raise", description="a step whose gradients hold NaN/Inf: raise NonFiniteError on every rank (masters "
+                             "unchanged), or skip it (DeepSpeed's skip, counted and reported)")
+    max_consecutive_skips: int = Field(8, ge=0, description="skip: more skipped steps in a row than this raise")
+
+
 class PrecisionConfig(StrictModel):
     """The whole ``"precision"`` section. ``PrecisionConfig()`` gives the documented defaults."""
 
@@ -72,6 +79,7 @@ class PrecisionConfig(StrictModel):
     kernel: Literal["emulated", "torch", "transformer_engine"] | None = Field(
         None, description="GEMM backend; null picks the best available and logs why")
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
 
 
 #: What to write instead of ``"auto"``, per key (the default is the fallback suggestion).

@@ -26,9 +26,12 @@ class NVFP4Linear(nn.Linear):
     recipe: Recipe
     #: sibling layers sharing this layer's weight amax (``precision.modules.fuse``; set by convert_model)
     fused_peers: tuple[NVFP4Linear, ...]
-    #: running max of |input| over training forwards (FP32 scalar; None before the first): the static activation
-    #: scale a W4A4 export needs (``ds-nvfp4 export``), agreed across ranks when a checkpoint is saved
+    #: running max of the finite |input| over training forwards (FP32 scalar; None before the first): the static
+    #: activation scale a W4A4 export needs (``ds-nvfp4 export``), agreed across ranks when a checkpoint is saved
     input_amax: torch.Tensor | None
+    #: whether a training forward since the last optimizer step saw a non-finite input or output (bool scalar
+    #: tensor, no host sync; read by ``ds_nvfp4.initialize``'s step wrapper to name the first culprit layer)
+    nonfinite: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  recipe: Recipe | None = None) -> None:
@@ -40,6 +43,7 @@ class NVFP4Linear(nn.Linear):
         self.stats = LayerStats()
         self.fused_peers = ()
         self.input_amax = None
+        self.nonfinite = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe) -> NVFP4Linear:
@@ -54,12 +58,16 @@ class NVFP4Linear(nn.Linear):
         amax = getattr(self.weight, WEIGHT_AMAX_ATTR, None)
         if amax is None and self.fused_peers:
             amax = self.shared_weight_amax()
-        if self.training:
-            seen = x.detach().abs().amax().float()
-            self.input_amax = seen if self.input_amax is None else torch.maximum(self.input_amax, seen)
+        seen = x.detach().abs().amax().float() if self.training else None
         if self.stats.capture:
             self.stats.observe_forward(x, self.weight, self.recipe, amax)
         out = fp4_linear(x, self.weight, self.bias, self.recipe, amax, out_dtype)
+        if seen is not None:
+            ok = torch.isfinite(seen)
+            finite = torch.where(ok, seen, torch.zeros_like(seen))  # a bad step must not poison the export scale
+            self.input_amax = finite if self.input_amax is None else torch.maximum(self.input_amax, finite)
+            bad = ~ok | ~torch.isfinite(out.detach().abs().amax())
+            self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
         if self.stats.capture and out.requires_grad:
             out.register_hook(self.stats.observe_grad)
         return out

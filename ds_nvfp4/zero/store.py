@@ -28,6 +28,8 @@ import torch
 
 from ..format import NVFP4Tensor
 from ..nn.linear import WEIGHT_AMAX_ATTR
+from ..nn.nonfinite import NonFiniteError
+from .collectives import agree_max
 from .partition import PartitionLayout, pack_partition, partition_layout, unpack_partition
 
 log = logging.getLogger("ds_nvfp4")
@@ -226,10 +228,16 @@ class NVFP4Store:
         packable = [e for e in group if e.packable]
         if packable:
             local = torch.stack([fp32.narrow(0, e.offset, e.numel).detach().abs().amax().float()
-                                 for e in packable]).to(self.comm_device)
+                                 for e in packable])
             # one collective per sub-group: the per-tensor amax must be the max over every rank's partition
-            self.dist.all_reduce(local, op=self.dist.ReduceOp.MAX, group=self.opt.sub_group_process_groups[sid])
-            local = local.to(fp32.device)
+            # (NaN-safe: a non-finite master stops every rank with the same error, see agree_max)
+            local, bad = agree_max(local, group=self.opt.sub_group_process_groups[sid])
+            if bool(bad.any()):
+                names = [e.name for e, b in zip(packable, bad.tolist()) if b]
+                raise NonFiniteError(f"ds_nvfp4: the FP32 master weights of {', '.join(names[:4])} hold NaN/Inf "
+                                     "on some rank after an optimizer step whose gradients were finite (an "
+                                     "unstable update): they are not packed; resume from the last checkpoint, "
+                                     "e.g. with a lower learning rate")
             index = {id(e): i for i, e in enumerate(packable)}
             for members in self.fused.get(sid, ()):
                 # one global scale per fused inference GEMM: every member takes the group's max

@@ -38,6 +38,7 @@ def test_defaults_are_the_contract() -> None:
                     "keep_first_blocks_bf16": 0, "keep_last_blocks_bf16": 0,
                     "fuse": [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]]},
         "kernel": None, "monitor": {"enabled": False, "interval": 100},
+        "nonfinite": {"action": "raise", "max_consecutive_skips": 8},
     }
 
 

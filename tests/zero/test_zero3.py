@@ -177,3 +177,21 @@ def test_fused_groups_share_one_amax_in_the_packed_store_and_are_unfused_with_bf
     r0 = run_ranks("fused", config={"precision.weights.storage": "bf16"})[0]
     assert r0["fused_groups"] == []
     assert sum("does not share an amax: ZeRO-3 with weights.storage" in n for n in r0["notes"]) == 3, r0["notes"]
+
+
+@pytest.mark.parametrize("preset", ["nvfp4_zero3.json", "nvfp4_zero2.json"])
+def test_nonfinite_gradients_raise_on_every_rank_with_the_step_and_the_layer(preset: str) -> None:
+    ranks = run_ranks("nonfinite", preset=preset, bad_steps=[3])  # NaN on rank 1 only: rank 0 must stop too
+    for r in ranks:
+        assert r["raised_at"] == 3 and "step 3: gradients hold NaN/Inf" in r["error"], r
+        assert r["masters_unchanged"] and r["all_masters_finite"] and len(r["losses"]) == 2
+    assert "first FP4 layers with a non-finite input or output on this rank: blocks.1.fc1" in ranks[1]["error"]
+    assert "no FP4 layer saw a non-finite" in ranks[0]["error"]
+
+
+def test_nonfinite_skip_is_counted_and_bounded() -> None:
+    cfg = {"precision.nonfinite": {"action": "skip", "max_consecutive_skips": 2}}
+    for r in run_ranks("nonfinite", config=cfg, bad_steps=[2, 4, 5, 6]):
+        assert r["unchanged_after_skip"] == [True, True, True] and r["all_masters_finite"]
+        assert r["raised_at"] == 6 and "3 steps in a row were skipped, more than" in r["error"], r
+        assert r["skipped"] == 4 and len(r["losses"]) == 2  # steps 1 and 3 trained

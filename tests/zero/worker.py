@@ -278,6 +278,69 @@ def scenario_fused(rank: int, p: dict) -> dict:
     return out
 
 
+def scenario_nonfinite(rank: int, p: dict) -> dict:
+    """NaN injected into ``blocks.1.fc1``'s input on rank 1 only, at the given steps (1-based).
+
+    Records where ``NonFiniteError`` was raised (every rank must raise: no hang), whether the FP32 masters are
+    those of the last good step, and the skipped-step count.
+    """
+    import deepspeed
+
+    import ds_nvfp4
+
+    cfg = config(preset=p.get("preset", "nvfp4_zero3.json"), **p.get("config", {}))
+    engine = make_engine(cfg)
+    bad = set(p["bad_steps"])
+
+    def poison(module, args):  # block 1 is activation-checkpointed: its recomputation is poisoned too
+        if module.training and engine.global_steps + 1 in bad and rank == 1:
+            return (args[0] * float("nan"),)
+        return None
+
+    engine.module.get_submodule("blocks.1.fc1").register_forward_pre_hook(poison)
+
+    def masters() -> dict:
+        return {n: deepspeed.utils.safe_get_full_fp32_param(q).clone() for n, q in engine.module.named_parameters()}
+
+    out: dict = {"losses": [], "error": None, "raised_at": None, "unchanged_after_skip": []}
+    prev = masters()
+    for step in range(1, p.get("steps", 6) + 1):
+        loss = engine(*batch(step, rank))
+        engine.backward(loss)
+        try:
+            engine.step()
+        except ds_nvfp4.NonFiniteError as exc:
+            now = masters()
+            out.update(error=str(exc), raised_at=step, masters_unchanged=all(torch.equal(prev[n], now[n])
+                                                                             for n in prev))
+            break
+        now = masters()
+        if step in bad:
+            out["unchanged_after_skip"].append(all(torch.equal(prev[n], now[n]) for n in prev))
+        else:
+            out["losses"].append(float(loss))
+        prev = now
+    out["skipped"] = engine.ds_nvfp4.skipped_steps
+    out["all_masters_finite"] = all(bool(torch.isfinite(v).all()) for v in masters().values())
+    return out
+
+
+def scenario_init_corpus(rank: int, p: dict) -> dict:
+    """``ds_nvfp4.initialize`` on each named config: ``{name: None (ok) or "ErrorType: message"}``."""
+    import ds_nvfp4
+
+    out = {}
+    for name, cfg in p["configs"].items():
+        torch.manual_seed(0)
+        model = Net()
+        try:
+            ds_nvfp4.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            out[name] = None
+        except Exception as exc:  # the property compares success with validate, whatever the error type
+            out[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return {"results": out}
+
+
 def scenario_plain_deepspeed(rank: int, p: dict) -> dict:
     """An unmodified script: model built under ``deepspeed.zero.Init``, then plain ``deepspeed.initialize``.
 

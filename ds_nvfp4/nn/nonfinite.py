@@ -1,0 +1,27 @@
+"""Non-finite values in training: the error, and which FP4 layers saw them first."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .linear import NVFP4Linear
+
+
+class NonFiniteError(FloatingPointError):
+    """A step's gradients (or a master weight) held NaN/Inf. Raised on every rank; the FP32 masters and the
+    optimizer state are those of the last good step, so the last checkpoint and a save right after are clean."""
+
+
+def nonfinite_layers(module: nn.Module, reset: bool = True) -> list[str]:
+    """NVFP4 layers whose training forwards since the last reset saw a non-finite input or output, in module
+    order (for a sequential model, the first is where the values went bad first). One host sync in all."""
+    import torch
+
+    layers = [(n, m) for n, m in module.named_modules() if isinstance(m, NVFP4Linear) and m.nonfinite is not None]
+    if not layers:
+        return []
+    flags = torch.stack([m.nonfinite for _, m in layers]).cpu().tolist()
+    if reset:
+        for _, m in layers:
+            m.nonfinite = None
+    return [n for (n, _), bad in zip(layers, flags) if bad]
