@@ -266,7 +266,10 @@ def _describe_checkpoints(engine, state: NVFP4State) -> None:
         if _is_rank0():
             real_tag = tag if tag is not None else f"global_step{engine.global_steps}"
             meta = {"precision": state.precision.model_dump(), "conversion": state.conversion.to_dict(),
-                    "input_amax": input_amax, "packed": state.store is not None}
+                    "input_amax": input_amax, "packed": state.store is not None,
+                    # converted weights whose partitions stay BF16: their forward quantizes the BF16 copy
+                    "stored_bf16": sorted(n.removesuffix(".weight") for n in state.store.kept_bf16)
+                    if state.store is not None else []}
             path = os.path.join(str(save_dir), str(real_tag), CHECKPOINT_META)
             tmp = path + ".tmp"
             with open(tmp, "w") as fh:

@@ -6,7 +6,8 @@ layers are NVFP4, the fused groups and the activations' amaxes come from ``<tag>
 ``ds_nvfp4.initialize`` next to every checkpoint).
 
 The codes are the ones training computed with: each NVFP4 weight is quantized from what the training forward
-quantized (the FP32 master with packed ZeRO-3 storage, its BF16 copy otherwise) with the same amax (the fused
+quantized (the FP32 master where ZeRO-3 stored it packed, its BF16 copy otherwise: ZeRO-0/1/2, BF16 storage, or a
+partition that cuts 16x16 tiles, listed as ``stored_bf16``) with the same amax (the fused
 group's when training shared one), so the bits equal the weights the forward saw (tested against
 ``GatheredParameters``). A fused group that training could not share (ZeRO-3 with BF16 storage) is re-quantized
 with one global scale, and the summary says so. 16x16 tile scales are written replicated over rows, i.e. as the
@@ -151,7 +152,9 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, ta
     # what the training forward quantized: packed ZeRO-3 storage re-packs from the FP32 master; otherwise the
     # forward reads the BF16 module weight (older checkpoints without "packed": storage nvfp4 meant packed)
     packed = meta.get("packed", precision["weights"]["storage"] == "nvfp4")
-    source = {n: sd[f"{n}.weight"] if packed else sd[f"{n}.weight"].to(torch.bfloat16).float() for n in layers}
+    from_master = set(layers) - set(meta.get("stored_bf16", [])) if packed else set()
+    source = {n: sd[f"{n}.weight"] if n in from_master else sd[f"{n}.weight"].to(torch.bfloat16).float()
+              for n in layers}
     amax = {n: w.abs().max() for n, w in source.items()}
     trained_groups = [sorted(g) for g in meta["conversion"].get("fused_groups", [])]
     groups = export_groups(sorted(layers), precision["modules"].get("fuse", []))

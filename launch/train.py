@@ -215,7 +215,8 @@ def main() -> None:
         bar = tqdm(total=args.steps, initial=start, desc=Path(args.out).name, unit="step", dynamic_ncols=True)
     tokens_per_step = micro * gas * world * args.seq
     log = open(metrics_path, "a") if rank == 0 else None  # noqa: SIM115
-    my_losses = []  # every rank's view of the (all-reduced) loss: equal on all ranks, checked by the tests
+    my_losses = []  # every rank's view of the (all-reduced) loss: equal on all ranks
+    local_losses = []  # this rank's own loss on its own data shard (differs between ranks; the tests check both)
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         loss_sum = 0.0
@@ -227,6 +228,7 @@ def main() -> None:
             engine.step()
             loss_sum += loss.item() / gas
         step_time = time.perf_counter() - t0
+        local_losses.append(loss_sum)
         mean_loss = torch.tensor(loss_sum)
         torch.distributed.all_reduce(mean_loss)
         my_losses.append(float(mean_loss) / world)
@@ -253,6 +255,7 @@ def main() -> None:
     torch.distributed.all_gather_object(peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     ranks = [None] * world
     torch.distributed.all_gather_object(ranks, {"rank": rank, **_where(), "losses": my_losses,
+                                                "local_losses": local_losses,
                                                 "storage": storage.summary() if storage else None})
     if rank == 0:
         bar.close()

@@ -61,11 +61,17 @@ def test_which_configs_are_routed(tmp_path: Path) -> None:
 
 def test_a_wheel_carries_the_pth_file_and_it_works_from_a_site_dir(tmp_path: Path) -> None:
     """The other install kind: ``pip wheel`` puts the .pth at the wheel's root, i.e. into site-packages."""
+    import shutil
     import zipfile
 
     root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"  # a copy: setuptools writes build/ and *.egg-info next to the sources
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md", "ds_nvfp4_autohook.py", "ds_nvfp4_autohook.pth"):
+        shutil.copy2(root / name, src / name)
+    shutil.copytree(root / "ds_nvfp4", src / "ds_nvfp4", ignore=shutil.ignore_patterns("__pycache__"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                        str(tmp_path), str(root)], capture_output=True, text=True, timeout=600)
+                        str(tmp_path), str(src)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     wheel = next(tmp_path.glob("ds_nvfp4-*.whl"))
     with zipfile.ZipFile(wheel) as z:

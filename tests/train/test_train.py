@@ -66,10 +66,16 @@ def test_run_directory_and_resume(data: Path, tmp_path: Path) -> None:
     assert [r["step"] for r in evals] == [4, 8]
     assert all(math.isclose(r["val_bpb"], r["val_loss"] / math.log(2)) and 0 < r["val_acc"] < 1 for r in evals)
     assert (run / "ckpt" / "step4" / "ds_nvfp4.json").exists()
-    # resume from step 4 (the checkpoint) and recompute steps 5..8: identical losses
-    (run / "ckpt" / "latest").write_text("step4")
-    resumed = train(data, run, "nvfp4_zero3.json", extra=("--resume",))
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    # resume from step 4 in a fresh run directory (only the checkpoint copied, no old metrics rows that could
+    # stand in for skipped steps): the resumed run must itself compute steps 5..8, with identical losses
+    import shutil
+
+    fresh = tmp_path / "resumed"
+    shutil.copytree(run / "ckpt", fresh / "ckpt")
+    (fresh / "ckpt" / "latest").write_text("step4")
+    resumed = train(data, fresh, "nvfp4_zero3.json", extra=("--resume",))
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:]]
 
 
 def test_finetune_writes_per_seed_accuracies(data: Path, tmp_path: Path) -> None:

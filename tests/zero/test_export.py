@@ -20,8 +20,21 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     ckpt = tmp_path_factory.mktemp("export") / "ckpt"
-    run_ranks("save", dir=str(ckpt))
+    run_ranks("save", dir=str(ckpt), dump_forward_weights=str(ckpt.parent / "forward_weights.pt"))
     return ckpt
+
+
+def test_bf16_export_is_what_the_forward_multiplied(checkpoint: Path, tmp_path: Path) -> None:
+    """Independent of the export's own reader: the weights gathered for the training forward, bit for bit."""
+    seen = torch.load(checkpoint.parent / "forward_weights.pt")
+    assert cli("export", str(checkpoint), str(tmp_path), "--format", "bf16").returncode == 0
+    out = load_file(tmp_path / "model.safetensors")
+    meta = json.loads((checkpoint / "step3" / "ds_nvfp4.json").read_text())
+    assert meta["stored_bf16"] == ["odd"] and len(seen) == 8  # odd's 24-row partitions cut 16x16 tiles
+    for name, w in seen.items():
+        # a packed weight is gathered already quantized; a BF16-stored one is quantized by the forward itself
+        want = w if name not in meta["stored_bf16"] else reference_bf16(w, "16x16")
+        assert torch.equal(out[f"{name}.weight"], want), name
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +42,9 @@ def masters(checkpoint: Path) -> tuple[dict, dict]:
     from ds_nvfp4.export import load_run, nvfp4_layers
 
     sd, meta = load_run(checkpoint)
+    # what each layer's forward quantized: the FP32 master when packed, its BF16 copy when stored BF16
+    sd = {k: v.to(torch.bfloat16).float() if k.removesuffix(".weight") in meta["stored_bf16"] else v
+          for k, v in sd.items()}
     return sd, nvfp4_layers(meta)
 
 
@@ -38,6 +54,11 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 def reference(w: torch.Tensor, block: str):
     return ref_quantize(w, block, amax=w.abs().max())
+
+
+def reference_bf16(w: torch.Tensor, block: str) -> torch.Tensor:
+    packed, sb, amax = reference(w.float(), block)
+    return ref_dequantize(packed, sb, amax, block).to(torch.bfloat16)
 
 
 def test_layers_from_metadata(masters) -> None:
@@ -80,7 +101,7 @@ def test_modelopt_export(checkpoint: Path, masters, tmp_path: Path) -> None:
 
 
 def test_compressed_tensors_export_reloads_with_the_library(checkpoint: Path, masters, tmp_path: Path) -> None:
-    ct = pytest.importorskip("compressed_tensors")
+    import compressed_tensors as ct  # a dev dependency: missing it is an error, not a skip
     from compressed_tensors.compressors import NVFP4PackedCompressor
     from compressed_tensors.quantization import QuantizationConfig
 

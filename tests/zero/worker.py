@@ -73,6 +73,16 @@ def batch(step: int, rank: int, vocab: int = 128):
     return idx, torch.roll(idx, -1, dims=1)
 
 
+def digests(engine) -> dict[str, str]:
+    """sha256 of every full FP32 master (bytes): a full-tensor comparison that fits in the JSON result."""
+    import hashlib
+
+    import deepspeed
+
+    return {n: hashlib.sha256(deepspeed.utils.safe_get_full_fp32_param(q).detach().float().contiguous().cpu()
+                              .numpy().tobytes()).hexdigest() for n, q in engine.module.named_parameters()}
+
+
 def make_engine(cfg: dict, seed: int = 0):
     import ds_nvfp4
 
@@ -158,10 +168,12 @@ def scenario_checkpoint(rank: int, p: dict) -> dict:
     first = train(e1, range(3), rank)
     w3 = {n: float(deepspeed.utils.safe_get_full_fp32_param(q).double().sum()) for n, q in
           e1.module.named_parameters()}
+    d3 = digests(e1)
     e1.save_checkpoint(ckpt, tag="step3")
     rest = train(e1, range(3, 6), rank)
     w_ref = {n: float(deepspeed.utils.safe_get_full_fp32_param(q).double().sum()) for n, q in
              e1.module.named_parameters()}
+    d_ref = digests(e1)
     e1.save_16bit_model(ckpt, "model16.bin")
     e2 = make_engine(copy.deepcopy(cfg), seed=123)  # different init: everything must come from the checkpoint
     e2.load_checkpoint(ckpt, tag="step3")
@@ -169,6 +181,7 @@ def scenario_checkpoint(rank: int, p: dict) -> dict:
     w_res = {n: float(deepspeed.utils.safe_get_full_fp32_param(q).double().sum()) for n, q in
              e2.module.named_parameters()}
     return {"first": first, "rest": rest, "resumed": resumed, "w_ref": w_ref, "w_res": w_res, "w3": w3,
+            "d3": d3, "d_ref": d_ref, "d_res": digests(e2),
             "exact_after_resume": exactness(e2)}
 
 
@@ -212,7 +225,15 @@ def scenario_save(rank: int, p: dict) -> dict:
     losses = train(e, range(3), rank)
     e.save_checkpoint(p["dir"], tag="step3")
     w = {n: float(deepspeed.utils.safe_get_full_fp32_param(q).double().sum()) for n, q in e.module.named_parameters()}
-    return {"losses": losses, "w": w}
+    if p.get("dump_forward_weights"):  # what the forward multiplies, for the export test's reference
+        from ds_nvfp4.nn import NVFP4Linear
+
+        fp4 = {n: m for n, m in e.module.named_modules() if isinstance(m, NVFP4Linear)}
+        with deepspeed.zero.GatheredParameters([m.weight for m in fp4.values()]):
+            seen = {n: m.weight.detach().clone() for n, m in fp4.items()}
+        if rank == 0:
+            torch.save(seen, p["dump_forward_weights"])
+    return {"losses": losses, "w": w, "d": digests(e)}
 
 
 def scenario_load_universal(rank: int, p: dict) -> dict:
@@ -222,8 +243,9 @@ def scenario_load_universal(rank: int, p: dict) -> dict:
     e = make_engine(config(**{"checkpoint.load_universal": True}), seed=321)
     e.load_checkpoint(p["dir"], tag=p["tag"])
     w = {n: float(deepspeed.utils.safe_get_full_fp32_param(q).double().sum()) for n, q in e.module.named_parameters()}
+    d = digests(e)
     losses = train(e, range(3, 5), rank)
-    return {"losses": losses, "w": w, "exact": exactness(e)}
+    return {"losses": losses, "w": w, "d": d, "exact": exactness(e)}
 
 
 def scenario_args_form(rank: int, p: dict) -> dict:
@@ -339,6 +361,16 @@ def scenario_init_corpus(rank: int, p: dict) -> dict:
         except Exception as exc:  # the property compares success with validate, whatever the error type
             out[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
     return {"results": out}
+
+
+def scenario_comm_dtype(rank: int, p: dict) -> dict:
+    """The dtype DeepSpeed's engine reduce-scatters gradients in, for each precision.communication.reduce_scatter."""
+    out = {}
+    for rs in ("bf16", "fp32"):
+        engine = make_engine(config(**{"precision.communication.reduce_scatter": rs}))
+        out[rs] = str(engine.communication_data_type)
+        train(engine, range(1), rank)
+    return out
 
 
 def scenario_plain_deepspeed(rank: int, p: dict) -> dict:
