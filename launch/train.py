@@ -336,7 +336,8 @@ def _where() -> dict:
         netns = os.readlink("/proc/self/ns/net")
     except OSError:
         netns = None
-    return {"host": socket.gethostname(), "netns": netns, "pid": os.getpid()}
+    return {"host": socket.gethostname(), "netns": netns, "pid": os.getpid(),
+            "local_rank": int(os.environ.get("LOCAL_RANK", "0"))}
 
 
 if __name__ == "__main__":

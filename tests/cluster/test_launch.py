@@ -71,20 +71,25 @@ def run_script(host: Host, script: str, data: Path, out: Path, **env: str) -> st
     return log
 
 
-def check_two_hosts(out: Path, log: str) -> list[dict]:
-    """Both ranks on different hosts, equal finite losses, NVFP4 storage reported by each."""
+def check_two_hosts(out: Path, log: str, per_host: int = 1) -> list[dict]:
+    """Ranks spread over both hosts (``per_host`` each, local ranks 0..per_host-1 on each), equal finite
+    all-reduced losses, each rank's own loss on its own shard, NVFP4 storage reported by each."""
     ranks = json.loads((out / "summary.json").read_text())["ranks"]
-    assert [r["rank"] for r in ranks] == [0, 1]
-    assert {r["host"] for r in ranks} == {"n1", "n2"}, ranks
-    assert ranks[0]["netns"] != ranks[1]["netns"] and None not in (ranks[0]["netns"], ranks[1]["netns"])
+    world = 2 * per_host
+    assert [r["rank"] for r in ranks] == list(range(world))
+    for host in ("n1", "n2"):
+        mine = [r for r in ranks if r["host"] == host]
+        assert sorted(r["local_rank"] for r in mine) == list(range(per_host)), ranks
+        assert len({r["netns"] for r in mine}) == 1 and None not in {r["netns"] for r in mine}
+    assert len({r["netns"] for r in ranks}) == 2, ranks
     losses = [r["losses"] for r in ranks]
-    assert len(losses[0]) == STEPS and losses[0] == losses[1], losses
+    assert len(losses[0]) == STEPS and all(v == losses[0] for v in losses), losses
     assert all(math.isfinite(v) for v in losses[0]) and losses[0][-1] < losses[0][0]
-    # the all-reduced loss is equal by construction; each rank's own loss on its own shard is not: both ranks
+    # the all-reduced loss is equal by construction; each rank's own loss on its own shard is not: every rank
     # computed, on different data, and their mean is the recorded loss
     local = [r["local_losses"] for r in ranks]
-    assert len(local[0]) == len(local[1]) == STEPS and local[0] != local[1], local
-    assert all(math.isclose((a + b) / 2, m, rel_tol=1e-5) for a, b, m in zip(*local, losses[0])), (local, losses)
+    assert all(len(v) == STEPS for v in local) and len({tuple(v) for v in local}) == world, local
+    assert all(math.isclose(sum(step) / world, m, rel_tol=1e-5) for step, m in zip(zip(*local), losses[0]))
     for r in ranks:
         assert r["storage"] and "packed NVFP4" in r["storage"], r
         assert f"ds_nvfp4 storage rank {r['rank']}:" in log, f"rank {r['rank']} did not log its storage report"

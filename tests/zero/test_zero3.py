@@ -205,3 +205,36 @@ def test_nonfinite_skip_is_counted_and_bounded() -> None:
 def test_reduce_scatter_fp32_sets_deepspeeds_communication_data_type() -> None:
     for r in run_ranks("comm_dtype"):
         assert r["fp32"] == "torch.float32" and r["bf16"] == "torch.bfloat16", r
+
+
+def _all_exact(v: dict) -> bool:
+    return all(x["equal"] for when in ("before", "after") for x in v[when].values() if x["packed"])
+
+
+def test_four_ranks_blocks_hpz_and_a_universal_checkpoint_to_two(tmp_path) -> None:
+    """4 ranks: 16x16 (odd's 12-row partitions cut tiles: BF16, reported), 1x16 under ZeRO-3 (odd packs too),
+    hpZ with a secondary group of 2 in a world of 4 (same numbers as plain ZeRO-3); then the 16x16 run's
+    checkpoint, made universal, loads on 2 ranks with every FP32 master bit for bit."""
+    variants = {"16x16": {}, "1x16": {"precision.weights.block": "1x16"},
+                "hpz2": {"zero_optimization.zero_hpz_partition_size": 2}}
+    ckpt = tmp_path / "ckpt"
+    res = run_ranks("variants", world_size=4, variants=variants, save=str(ckpt), timeout=900)
+    for r in res:
+        a, b, h = r["16x16"], r["1x16"], r["hpz2"]
+        assert a["report"]["packed_params"] == 7 and "cuts a 16x16 tile" in a["report"]["kept_bf16"]["odd.weight"]
+        assert b["report"]["packed_params"] == 8 and b["report"]["kept_bf16"] == {}
+        assert h["report"]["packed_params"] == 7 and h["losses"] == a["losses"]
+        assert all(_all_exact(v) for v in (a, b, h)) and all(math.isfinite(x) for x in a["losses"] + b["losses"])
+        assert all(v["packed"] for v in b["after"].values())
+    tag = _to_universal(ckpt, "step3")
+    for r in run_ranks("load_universal", world_size=2, dir=str(ckpt), tag=tag):
+        assert r["d"] == res[0]["16x16"]["d"]  # 4 -> 2 ranks, every tensor bit for bit
+        assert r["finite"] and all(x["equal"] for x in r["exact"].values() if x["packed"])
+
+
+def test_three_ranks_pad_partitions_which_are_stored_bf16_and_reported() -> None:
+    for r in run_ranks("train", world_size=3, steps=2):
+        kept = r["report"]["kept_bf16"]
+        assert "do not split evenly over 3 ranks" in kept["blocks.0.fc1.weight"], kept  # 16384 % 3 != 0
+        assert r["finite"] and all(v["equal"] for v in r["after"].values() if v["packed"])
+        assert r["report"]["packed_params"] + r["report"]["bf16_params"] > 0

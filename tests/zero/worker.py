@@ -373,6 +373,22 @@ def scenario_comm_dtype(rank: int, p: dict) -> dict:
     return out
 
 
+def scenario_variants(rank: int, p: dict) -> dict:
+    """Several configs in one launch (process start-up dominates on 2 cores): per variant, exactness before and
+    after training, losses, storage report; with ``save``, the first variant is checkpointed (tag step3)."""
+    out = {}
+    for i, (name, overrides) in enumerate(p["variants"].items()):
+        engine = make_engine(config(**overrides))
+        before = exactness(engine)
+        losses = train(engine, range(p.get("steps", 3)), rank)
+        rep = engine.ds_nvfp4.store.report()
+        out[name] = {"before": before, "after": exactness(engine), "losses": losses, "report": rep.to_dict()}
+        if i == 0 and p.get("save"):
+            engine.save_checkpoint(p["save"], tag="step3")
+            out[name]["d"] = digests(engine)
+    return out
+
+
 def scenario_plain_deepspeed(rank: int, p: dict) -> dict:
     """An unmodified script: model built under ``deepspeed.zero.Init``, then plain ``deepspeed.initialize``.
 
