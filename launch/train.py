@@ -99,11 +99,17 @@ def evaluate(engine, val: np.ndarray, batches: int, batch: int, seq: int, rank: 
     stride = (len(val) - seq - 1) // (batches * batch)
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, tokens
     per_batch = []
-    for b in range(rank, batches, world):
-        starts = [(b * batch + j) * stride for j in range(batch)]
+    # Every rank runs the same number of forwards: under ZeRO-3 each forward gathers weights collectively, so a
+    # rank with one forward fewer (batches not a multiple of world) would leave the others waiting forever.
+    # A rank without a batch of its own in the last round runs batch 0 again and discards the result.
+    for b in range(rank, -(-batches // world) * world, world):
+        real = b < batches
+        starts = [((b if real else 0) * batch + j) * stride for j in range(batch)]
         x = torch.stack([torch.from_numpy(val[s:s + seq].astype(np.int64)) for s in starts]).to(engine.device)
         y = torch.stack([torch.from_numpy(val[s + 1:s + 1 + seq].astype(np.int64)) for s in starts]).to(engine.device)
         logits = engine(x)
+        if not real:
+            continue
         loss = F.cross_entropy(logits.view(-1, 256), y.view(-1), reduction="sum").double().cpu()
         sums += torch.stack([loss, (logits.argmax(-1) == y).sum().double().cpu(), torch.tensor(float(y.numel()))])
         per_batch.append((b, float(loss) / y.numel()))

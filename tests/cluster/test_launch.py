@@ -107,6 +107,15 @@ def test_pdsh_hostfile(cluster: Cluster, data: Path) -> None:
     assert "GLOO_SOCKET_IFNAME=dsnv0" in log  # the generated .deepspeed_env is shown
 
 
+def test_pdsh_two_ranks_per_host(cluster: Cluster, data: Path) -> None:
+    need("pdsh")
+    hostfile = cluster.root / "hostfile2"
+    hostfile.write_text("".join(f"{h.name} slots=2\n" for h in cluster.hosts))
+    out = cluster.root / "run-pdsh-2x2"
+    log = run_script(cluster.hosts[0], "pdsh.sh", data, out, HOSTFILE=str(hostfile))
+    check_two_hosts(out, log, per_host=2)
+
+
 def test_openmpi_launcher(cluster: Cluster, data: Path) -> None:
     need("mpirun")
     out = cluster.root / "run-ompi"
