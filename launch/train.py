@@ -282,6 +282,9 @@ def main() -> None:
         # aborts a finished rank ("terminate called without an active exception", exit 134; seen about once in
         # 60 launches here), which schedulers report as a failed job. Everything is written and closed by now, so
         # leave without interpreter teardown. (With a DeepSpeed monitor its writers finalize at exit: not skipped.)
+        mpi = sys.modules.get("mpi4py.MPI")  # plain mpirun: MPI must be finalized, or mpirun calls it abnormal
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
