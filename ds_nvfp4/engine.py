@@ -21,6 +21,7 @@ from typing import Any
 import ds_nvfp4_autohook
 
 from .config import ConfigError, PrecisionConfig, Problem, load_config
+from .export import CHECKPOINT_META
 from .kernels import Selection, select
 from .nn import ConversionReport, NonFiniteError, StatsCollector, convert_model, nonfinite_layers
 from .zero.shm import release_shm_workspace
@@ -186,8 +187,9 @@ def _guard_nonfinite(engine, state: NVFP4State) -> None:
         out = original_step(*args, **kwargs)
         if not boundary:
             return out
-        culprits = nonfinite_layers(engine.module)  # read and reset every optimizer step
-        if engine.skipped_steps == before:
+        skipped = engine.skipped_steps != before
+        culprits = nonfinite_layers(engine.module, read=skipped)  # flags reset every optimizer step
+        if not skipped:
             state.consecutive_skips = 0
             return out
         state.skipped_steps += 1
@@ -250,7 +252,6 @@ def _emit_stats(engine, stats: StatsCollector) -> None:
     engine.step = step
 
 
-from .export import CHECKPOINT_META  # noqa: E402 (next to what writes it)
 
 
 def _describe_checkpoints(engine, state: NVFP4State) -> None:
