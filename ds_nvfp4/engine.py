@@ -255,30 +255,51 @@ def _emit_stats(engine, stats: StatsCollector) -> None:
 
 
 def _describe_checkpoints(engine, state: NVFP4State) -> None:
-    """Make checkpoints self-describing: ``<dir>/<tag>/ds_nvfp4.json`` holds the precision section and the
-    conversion report (which layers are NVFP4), written by rank 0 after DeepSpeed's own save succeeded."""
+    """Make checkpoints self-describing and crash-safe.
+
+    ``<dir>/<tag>/ds_nvfp4.json`` holds the precision section and the conversion report (which layers are NVFP4).
+    ``<dir>/latest`` moves to the new tag only once *every* rank has written its files: DeepSpeed 0.19 lets rank 0
+    write ``latest`` before the closing barrier, so a rank killed while writing its ZeRO partition left ``latest``
+    naming a checkpoint with a truncated file. Here DeepSpeed saves with ``save_latest=False``; after its closing
+    barrier (all ranks done) rank 0 writes the metadata, then ``latest``, each to a temporary file renamed into
+    place. A crash at any point leaves ``latest`` on the previous complete checkpoint.
+    """
     import json
 
     original = engine.save_checkpoint
 
-    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+    def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         input_amax = _agreed_input_amax(engine.module)  # a collective: every rank saves
-        ok = original(save_dir, tag, *args, **kwargs)
+        checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+        # a decoupled engine commits later, asynchronously, and writes ``latest`` then: DeepSpeed's own rule
+        decoupled = checkpoint_engine is not None and checkpoint_engine.is_decoupled()
+        ok = original(save_dir, tag, client_state if client_state is not None else {},
+                      save_latest=save_latest and decoupled, exclude_frozen_parameters=exclude_frozen_parameters)
+        # DeepSpeed ends with dist.barrier(): past this line every rank's files are complete
         if _is_rank0():
-            real_tag = tag if tag is not None else f"global_step{engine.global_steps}"
+            real_tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
             meta = {"precision": state.precision.model_dump(), "conversion": state.conversion.to_dict(),
                     "input_amax": input_amax, "packed": state.store is not None,
                     # converted weights whose partitions stay BF16: their forward quantizes the BF16 copy
                     "stored_bf16": sorted(n.removesuffix(".weight") for n in state.store.kept_bf16)
                     if state.store is not None else []}
-            path = os.path.join(str(save_dir), str(real_tag), CHECKPOINT_META)
-            tmp = path + ".tmp"
-            with open(tmp, "w") as fh:
-                json.dump(meta, fh, indent=2)
-            os.replace(tmp, path)  # never a half-written file
+            _write_atomically(os.path.join(str(save_dir), real_tag, CHECKPOINT_META), json.dumps(meta, indent=2))
+            if save_latest and not decoupled:
+                _write_atomically(os.path.join(str(save_dir), "latest"), real_tag)
         return ok
 
     engine.save_checkpoint = save_checkpoint
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a synced temporary file and a rename: readers see the old or the new file,
+    never a half-written one."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def _agreed_input_amax(module) -> dict[str, float | None]:
