@@ -7,7 +7,7 @@ Layers, each importing only the ones before it:
 
 from . import data
 from .config import ConfigError, PrecisionConfig, load_config
-from .format import NVFP4Tensor, dequantize, hadamard, inverse_hadamard, quantize
+from .format import NVFP4Tensor, dequantize, hadamard, inverse_hadamard, quantize, quantize_values
 from .nn import ConversionReport, NonFiniteError, NVFP4Linear, convert_model
 
 
@@ -29,5 +29,6 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError", "ConversionReport", "NVFP4Linear", "NVFP4Tensor", "NonFiniteError", "PrecisionConfig", "__version__",
     "convert_model", "data", "dequantize", "hadamard", "initialize", "inverse_hadamard", "load_config", "quantize",
+    "quantize_values",
     "storage_report",
 ]

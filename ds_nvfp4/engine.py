@@ -159,7 +159,8 @@ def summary_line(state: NVFP4State, report=None) -> str:
     recipe = ("paper: FP4 forward and backward" if p.backward.gemm == "nvfp4" else "mission: FP4 forward, BF16 "
               "backward") + f", weights {p.weights.block}" + (", RHT" if p.activations.hadamard else "")
     text = (f"ds_nvfp4: NVFP4 training ON: {len(c.converted)} Linear layers NVFP4, {kept_text}; "
-            f"{c.fp4_params / total if total else 0:.1%} of parameters; recipe {recipe}; kernel {c.kernel}")
+            f"{c.fp4_params / total if total else 0:.1%} of parameters; recipe {recipe}; kernel {c.kernel}"
+            + (f" ({state.selection.operand.split(' (')[0]})" if state.selection.operand else ""))
     if c.fused_groups:
         text += f"; {len(c.fused_groups)} fused groups share an amax"
     if report is not None:

@@ -90,6 +90,27 @@ def ref_block_values(packed: torch.Tensor, sb: torch.Tensor, block: str) -> torc
     return VALUES[codes.long()] * expand(sb.to(F32), block)
 
 
+def bf16_ulp(t: torch.Tensor) -> torch.Tensor:
+    """float32: the spacing of bfloat16 numbers at ``|t|`` (8 significant bits: 2^(e-8) for |t| in [2^(e-1), 2^e))."""
+    e = torch.frexp(t.float().abs().clamp_min(2.0 ** -126))[1]
+    return torch.ldexp(torch.ones_like(t, dtype=F32), e - 8)
+
+
+def emulated_contract_bound(a: torch.Tensor, b: torch.Tensor, a_block: str = "1x16",
+                            b_block: str = "16x16") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ref, bound)`` for the BF16-operand emulation of ``a [M,K] @ b[N,K].T`` (docs/format.md): products exact,
+    FP32 accumulation in the library's order, its accumulator rounded to BF16 at most once before alpha:
+    ``|got - ref| <= ulp_bf16(ref) + K * 2^-24 * (|A| @ |B|.T) * alpha`` (one BF16 ulp, plus the classic bound for
+    a different FP32 summation order; A, B the exact operand values)."""
+    pa, sa, aa = ref_quantize(a, a_block)
+    pb, sb, ab = ref_quantize(b, b_block)
+    va, vb = ref_block_values(pa, sa, a_block), ref_block_values(pb, sb, b_block)
+    alpha = (aa * ab) * f32(1.0 / (2688.0 * 2688.0))
+    ref = (va @ vb.t()) * alpha
+    order = a.shape[1] * 2.0 ** -24 * (va.abs() @ vb.abs().t()) * alpha
+    return ref, bf16_ulp(ref) + order
+
+
 def ref_fp4_gemm(a: torch.Tensor, b: torch.Tensor, a_block: str = "1x16", b_block: str = "16x16") -> torch.Tensor:
     """What the FP4 tensor cores compute for ``a [M,K] @ b[N,K].T``: exact operand values, FP32 accumulation,
     ``alpha = amax_a * amax_b / 2688^2`` applied to the accumulator."""

@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     for row in rep["smoke_test"]:
         if row["available"]:
             print(f"    {row['backend']:18s} ok  {row['ms']:8.3f} ms  matches the reference: "
-                  f"{row['matches_reference']}, rel. error vs FP32 {row['rel_error_vs_fp32']:.3f}")
+                  f"{row['matches_reference']}, rel. error vs FP32 {row['rel_error_vs_fp32']:.3f}"
+                  + (f"\n    {'':18s}     {row['operand']}" if row.get("operand") else ""))
         else:
             print(f"    {row['backend']:18s} --  {row['reason']}")
     fk = rep["format_kernels"]

@@ -2,7 +2,7 @@
 
 from .constants import BLOCK_SIZE, BLOCKS, E2M1_MAX, E2M1_VALUES, E4M3_MAX, RHT_SIGNS, ROUNDINGS
 from .hadamard import hadamard, inverse_hadamard, rht_matrix
-from .quantize import dequantize, quantize
+from .quantize import dequantize, quantize, quantize_values
 from .tensor import NVFP4Tensor
 
 __all__ = [
@@ -18,5 +18,6 @@ __all__ = [
     "hadamard",
     "inverse_hadamard",
     "quantize",
+    "quantize_values",
     "rht_matrix",
 ]

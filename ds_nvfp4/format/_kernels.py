@@ -141,14 +141,49 @@ def decode(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block: s
     return out.reshape(m, k).to(dtype)
 
 
-@compiled
-def decode_block_values(data: torch.Tensor, scale_rows: torch.Tensor) -> torch.Tensor:
-    """float32 [M, K]: E2M1 value times its E4M3 block scale, without the per-tensor factor (exact).
+def _block_values_cpp(data: torch.Tensor, scale: torch.Tensor, block: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """The C++ twin of :func:`block_values`: ``decode`` with the block scales as the factors (no amax)."""
+    ext = _cpu_ext_for(data, dtype)
+    if ext is None:
+        return None
+    return ext.decode(data, scale.to(_F32).contiguous(), 1 if block == "1x16" else BLOCK_SIZE, dtype == torch.bfloat16)
 
-    ``scale_rows`` is the row-wise ``[M, K/16]`` scale layout (16x16 tiles already replicated over rows).
-    These are exactly the operand values an FP4 tensor core multiplies.
+
+@compiled(native=_block_values_cpp)
+def block_values(data: torch.Tensor, scale: torch.Tensor, block: str, dtype: torch.dtype) -> torch.Tensor:
+    """``dtype`` [M, K]: E2M1 value times its E4M3 block scale, without the per-tensor factor.
+
+    ``scale`` is the stored layout (``[M, K/16]`` for 1x16, ``[M/16, K/16]`` for 16x16). The products have at most
+    6 significant bits, so they are exact in float32 and in bfloat16: these are the operand values an FP4 tensor
+    core multiplies, and what the ``emulated`` backend hands its GEMM.
     """
     m = data.shape[0]
     k = data.shape[1] * 2
-    values = e2m1.decode(e2m1.unpack(data)).view(m, k // BLOCK_SIZE, BLOCK_SIZE)
-    return (values * scale_rows.to(_F32).unsqueeze(-1)).view(m, k)
+    values = _tiles(e2m1.decode(e2m1.unpack(data)), block)
+    s = scale.to(_F32)
+    out = values * (s.unsqueeze(-1) if block == "1x16" else s[:, None, :, None])
+    return out.reshape(m, k).to(dtype)
+
+
+def _encode_values_cpp(x: torch.Tensor, enc: torch.Tensor, scale: torch.Tensor, block: str, dtype: torch.dtype,
+                       want_codes: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The C++ twin of :func:`encode_values` (one pass over ``x``), or None where it does not apply."""
+    ext = _cpu_ext_for(x, dtype)
+    if ext is None or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    out = ext.encode_values(x, enc.contiguous(), scale.to(_F32).contiguous(), 1 if block == "1x16" else BLOCK_SIZE,
+                            dtype == torch.bfloat16, want_codes)
+    return (out[0], out[1]) if want_codes else (out[0], x.new_empty(0, dtype=torch.uint8))
+
+
+@compiled(native=_encode_values_cpp)
+def encode_values(x: torch.Tensor, enc: torch.Tensor, scale: torch.Tensor, block: str, dtype: torch.dtype,
+                  want_codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize (nearest-even) and produce the GEMM operand: ``(values [M, K] dtype, codes [M, K/2] uint8)``.
+
+    ``values`` are :func:`block_values` of the codes :func:`encode_nearest` gives for ``x`` (``codes`` is an empty
+    tensor unless ``want_codes``). The C++ twin does it in one pass without materialising the codes' unpacking.
+    """
+    codes = encode_nearest.fn(x, enc, block)
+    values = block_values.fn(codes, scale, block, dtype)
+    return values, (codes if want_codes else x.new_empty(0, dtype=torch.uint8))

@@ -67,6 +67,35 @@ def quantize(
     return NVFP4Tensor(data=data, scale=scale, amax=used_amax, shape=torch.Size(shape), block=block)
 
 
+def quantize_values(
+    x: torch.Tensor,
+    *,
+    block: str = "1x16",
+    amax: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    keep_codes: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, NVFP4Tensor | None]:
+    """Quantize ``x`` (round to nearest even) straight to GEMM operand values, in one pass over ``x``.
+
+    Args:
+        x, block, amax: as for :func:`quantize` (``x`` 2-D ``[M, K]``).
+        dtype: float32 or bfloat16; the values are exact in both.
+        keep_codes: also return the :class:`NVFP4Tensor` (codes and scales), e.g. to save for a backward pass.
+    Returns:
+        ``(values, amax, tensor)``: ``dtype`` ``[M, K]`` equal to ``quantize(x, ...).block_values(dtype)``
+        bit for bit, the float32 0-dim amax used (NaN if ``x`` held NaN/Inf), and the tensor or None.
+    """
+    _check(x, block, "nearest", amax)
+    if x.dim() != 2:
+        raise ValueError(f"quantize_values takes a 2-D [M, K] tensor, got shape {tuple(x.shape)}")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    used_amax, scale, enc = _kernels.scales(_kernels.block_amax(x, block), amax)
+    values, data = _kernels.encode_values(x, enc, scale, block, dtype, keep_codes)
+    tensor = NVFP4Tensor(data=data, scale=scale, amax=used_amax, shape=x.shape, block=block) if keep_codes else None
+    return values, used_amax, tensor
+
+
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Same as ``t.dequantize(dtype)``."""
     return t.dequantize(dtype)

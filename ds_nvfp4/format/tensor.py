@@ -62,14 +62,16 @@ class NVFP4Tensor:
         out = _kernels.decode(data, scale, self.amax, self.block, dtype)
         return out.reshape(self.shape)
 
-    def block_values(self) -> torch.Tensor:
-        """float32 ``[M, K]`` (2-D view of :attr:`shape`): code value times block scale, no per-tensor factor.
+    def block_values(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``dtype`` ``[M, K]`` (2-D view of :attr:`shape`): code value times block scale, no per-tensor factor.
 
-        Exact (at most 6 significant bits); what an FP4 tensor core multiplies before applying the two
-        per-tensor decode scales to its FP32 accumulator.
+        Exact in float32 and in bfloat16 (at most 6 significant bits); what an FP4 tensor core multiplies before
+        applying the two per-tensor decode scales to its FP32 accumulator.
         """
-        data, _ = self._as_2d()
-        return _kernels.decode_block_values(data, self.rowwise_scale().reshape(data.shape[0], -1))
+        data, scale = self._as_2d()
+        if self.block == "16x16":
+            scale = self.scale
+        return _kernels.block_values(data, scale, self.block, dtype)
 
     def codes(self) -> torch.Tensor:
         """Unpacked uint8 codes in :attr:`shape` (for inspection and tests)."""

@@ -1,6 +1,7 @@
 """FP4 GEMM backends behind one interface (`GemmBackend.mm`), and the per-run choice among them."""
 
-from .base import GemmBackend, global_alpha
+from .base import GemmBackend, Operand, global_alpha
+from .operand import OperandChoice, operand_choice
 from .select import (
     BackendUnavailable,
     DeviceInfo,
@@ -13,5 +14,6 @@ from .select import (
     select,
 )
 
-__all__ = ["BackendUnavailable", "DeviceInfo", "GemmBackend", "Selection", "availability", "decide",
-           "fp4_tensor_cores", "get_backend", "global_alpha", "probe", "select"]
+__all__ = ["BackendUnavailable", "DeviceInfo", "GemmBackend", "Operand", "OperandChoice", "Selection", "availability",
+           "decide",
+           "fp4_tensor_cores", "get_backend", "global_alpha", "operand_choice", "probe", "select"]

@@ -8,24 +8,78 @@ Wgrad out of it by choosing which tensors to quantize along which dimension.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
-from ..format import NVFP4Tensor
+from ..format import NVFP4Tensor, quantize
 from ..format.constants import GLOBAL_SCALE_NUMERATOR
 
 
+@dataclass(frozen=True)
+class Operand:
+    """One GEMM operand ``[M, K]``, quantized along K, in the form its backend multiplies.
+
+    Attributes:
+        amax: float32 0-dim per-tensor amax (its decode scale goes into the GEMM's alpha).
+        tensor: the NVFP4 codes and scales (what native backends multiply; kept when asked for), or None.
+        values: the ``emulated`` backend's operand: block values (E2M1 value times E4M3 scale, no per-tensor
+            factor; exact) ``[M, K]`` in the device's operand dtype (kernels/operand.py), or None.
+    """
+
+    amax: torch.Tensor
+    tensor: NVFP4Tensor | None = None
+    values: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape if self.values is not None else self.tensor.shape)  # type: ignore[union-attr]
+
+    def t(self) -> Operand:
+        """The transpose (16x16-blocked tensors only: exact, nothing rounds). Values transpose as a view; the
+        codes are transposed only when no values stand in for them."""
+        if self.values is not None:
+            if self.tensor is not None and self.tensor.block != "16x16":
+                raise ValueError("Operand.t() needs block='16x16': 1x16 blocks run along K only")
+            return Operand(self.amax, None, self.values.t())
+        return Operand(self.amax, self.tensor.t(), None)  # type: ignore[union-attr]
+
+
 class GemmBackend(ABC):
-    """A way to multiply two NVFP4 tensors. Stateless; one instance per process is enough."""
+    """A way to multiply two NVFP4 operands. Stateless; one instance per process is enough.
+
+    ``quantize`` and ``operand`` produce the operands (by default the NVFP4 codes: what FP4 tensor cores read);
+    a backend that multiplies something else (``emulated``) overrides them to produce it in one pass.
+    """
 
     name: str
 
+    def quantize(self, x: torch.Tensor, *, block: str = "1x16", rounding: str = "nearest",
+                 amax: torch.Tensor | None = None, keep_codes: bool = False) -> Operand:
+        """Quantize a 2-D ``x`` ``[M, K]`` along K into this backend's operand (arguments as ``ds_nvfp4.quantize``;
+        ``keep_codes``: the operand must also hold the NVFP4 codes, e.g. to save them for a backward)."""
+        q = quantize(x, block=block, rounding=rounding, amax=amax)
+        return Operand(q.amax, q, None)
+
+    def operand(self, q: NVFP4Tensor | Operand) -> Operand:
+        """An already quantized tensor as this backend's operand."""
+        return q if isinstance(q, Operand) else Operand(q.amax, q, None)
+
     @abstractmethod
-    def mm(self, a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def mm(self, a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand, out_dtype: torch.dtype) -> torch.Tensor:
         """``a @ b.T`` as ``out_dtype`` ``[M, N]``: FP32 accumulation, both per-tensor decode scales applied."""
 
 
-def global_alpha(a: NVFP4Tensor, b: NVFP4Tensor) -> torch.Tensor:
+def codes(t: NVFP4Tensor | Operand) -> NVFP4Tensor:
+    """The NVFP4 codes of an operand (what native FP4 GEMMs read)."""
+    if isinstance(t, NVFP4Tensor):
+        return t
+    if t.tensor is None:
+        raise ValueError("this operand holds only emulated values; quantize it with keep_codes=True")
+    return t.tensor
+
+
+def global_alpha(a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand) -> torch.Tensor:
     """float32 0-dim ``amax_a * amax_b / 2688^2``: the product of the two per-tensor decode scales.
 
     cuBLASLt receives exactly this as ``alpha`` (the note: ``amax_A * amax_B / (36 * 448^2)``); every backend
@@ -36,7 +90,7 @@ def global_alpha(a: NVFP4Tensor, b: NVFP4Tensor) -> torch.Tensor:
     return (a.amax * b.amax) * inv
 
 
-def check_operands(a: NVFP4Tensor, b: NVFP4Tensor) -> None:
+def check_operands(a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand) -> None:
     if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"FP4 GEMM needs a [M, K] and b [N, K] with the same K; got {tuple(a.shape)} and "
                          f"{tuple(b.shape)}")

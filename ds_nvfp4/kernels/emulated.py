@@ -1,23 +1,83 @@
-"""`emulated`: an exact emulation of the FP4 tensor-core GEMM, on any device.
+"""`emulated`: the FP4 tensor-core GEMM on any device, with exact products and FP32 accumulation.
 
-Each operand is expanded to ``e2m1 * e4m3`` values (exact in float32: at most 2 + 4 significant bits), the
-product is accumulated in float32, and the two per-tensor decode scales are applied to the accumulator, as
-cuBLASLt's ``alpha`` does. On CPU float32 matmuls are ~4.5x faster than bf16 ones (no AVX512-BF16/AMX) and
-exact for these operands, so the emulation is as fast as plain BF16 training here.
+Each operand is expanded to block values ``e2m1 * e4m3`` (at most 2 + 4 significant bits: exact in BF16, TF32 and
+FP32) and handed to the device's fastest exact-operand GEMM (kernels/operand.py): BF16 where the device has BF16
+matrix units (CPUs with AVX512-BF16/AMX, CUDA tensor cores), FP32 elsewhere. The library accumulates in FP32; the
+two per-tensor decode scales are applied to the FP32 accumulator afterwards, as cuBLASLt's ``alpha`` does.
+
+Contract: products exact, FP32 accumulation. With FP32 operands (``DS_NVFP4_EMULATED_OPERAND=fp32``, or a CPU
+without BF16 units) the output is bit-for-bit the FP32-accumulated reference. With BF16 operands a library that
+returns only BF16 (oneDNN on CPU) rounds its FP32 accumulator to BF16 once before alpha is applied: the output is
+within one BF16 ulp of the reference (tests/kernels/test_operand.py); on CUDA ``torch.mm(..., out_dtype=float32)``
+keeps the FP32 accumulator where torch offers it. Only the accumulation order differs from FP4 tensor cores.
+
+Quantization goes straight to the operand (``quantize_values``: one pass, the codes only when kept).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..format import NVFP4Tensor
-from .base import GemmBackend, check_operands, global_alpha
+from ..format import NVFP4Tensor, quantize, quantize_values
+from .base import GemmBackend, Operand, check_operands, global_alpha
+from .operand import operand_choice
+
+
+@functools.cache
+def _cuda_mm_out_dtype() -> bool:
+    """Whether this torch offers ``torch.mm(bf16, bf16, out_dtype=torch.float32)`` on CUDA (torch >= 2.8)."""
+    try:
+        a = torch.zeros(16, 16, dtype=torch.bfloat16, device="cuda")
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except Exception:
+        return False
+
+
+def matmul_fp32_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float32 ``a @ b`` for exact operands ``a`` [M, K], ``b`` [K, N] (float32 or bfloat16): FP32 accumulation;
+    with BF16 operands on CPU the library's BF16 output (one rounding of its FP32 accumulator) is widened."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and _cuda_mm_out_dtype():
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return (a @ b).float()
 
 
 class EmulatedBackend(GemmBackend):
+    """``operand``: the operand dtype, or None for the device's choice (kernels/operand.py)."""
+
     name = "emulated"
 
-    def mm(self, a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def __init__(self, operand: torch.dtype | None = None) -> None:
+        self.fixed = operand
+
+    def operand_dtype(self, device: torch.device) -> torch.dtype:
+        return self.fixed or operand_choice(device).dtype
+
+    def quantize(self, x: torch.Tensor, *, block: str = "1x16", rounding: str = "nearest",
+                 amax: torch.Tensor | None = None, keep_codes: bool = False) -> Operand:
+        dtype = self.operand_dtype(x.device)
+        if rounding == "nearest" and x.dim() == 2:
+            values, used, q = quantize_values(x, block=block, amax=amax, dtype=dtype, keep_codes=keep_codes)
+            return Operand(used, q, values)
+        q = quantize(x, block=block, rounding=rounding, amax=amax)
+        return Operand(q.amax, q, q.block_values(dtype))
+
+    def operand(self, q: NVFP4Tensor | Operand) -> Operand:
+        if isinstance(q, Operand):
+            if q.values is not None:
+                return q
+            q = q.tensor
+        return Operand(q.amax, q, q.block_values(self.operand_dtype(q.device)))
+
+    def mm(self, a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand, out_dtype: torch.dtype) -> torch.Tensor:
         check_operands(a, b)
-        acc = a.block_values() @ b.block_values().t()
+        a, b = self.operand(a), self.operand(b)
+        acc = matmul_fp32_acc(a.values, b.values.t())
         return (acc * global_alpha(a, b)).to(out_dtype)
+
+
+#: the bit-exact FP32-operand emulation: the reference native backends and the other modes are checked against
+reference = EmulatedBackend(torch.float32)

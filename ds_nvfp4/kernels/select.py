@@ -46,9 +46,12 @@ class Selection:
     name: str
     reason: str
     candidates: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    #: ``emulated`` only: the GEMM operand dtype and why (kernels/operand.py), e.g. "BF16 operands, FP32
+    #: accumulation (CPU with AMX-BF16)"
+    operand: str = ""
 
     def describe(self) -> str:
-        return f"kernel: {self.name} ({self.reason})"
+        return f"kernel: {self.name} ({self.reason})" + (f"; {self.operand}" if self.operand else "")
 
 
 def _hw(info: DeviceInfo) -> str:
@@ -152,7 +155,9 @@ def smoke_test(name: str, device: torch.device) -> None:
     g = torch.Generator(device="cpu").manual_seed(0)
     a = quantize(torch.randn(128, 256, generator=g).to(device))
     b = quantize(torch.randn(64, 256, generator=g).to(device), block="16x16")
-    want = get_backend("emulated").mm(a, b, torch.float32)
+    from .emulated import reference
+
+    want = reference.mm(a, b, torch.float32)
     try:
         got = get_backend(name).mm(a, b, torch.float32)
     except Exception as exc:
@@ -173,6 +178,13 @@ def select(requested: str | None, device: torch.device | str | None = None, *, s
     sel = decide(info, requested)
     if smoke and sel.name != "emulated":
         smoke_test(sel.name, torch.device("cuda", torch.cuda.current_device()))
+    if sel.name == "emulated":
+        from dataclasses import replace
+
+        from .operand import operand_choice
+
+        dev = torch.device("cuda", torch.cuda.current_device()) if info.device_type == "cuda" else torch.device("cpu")
+        sel = replace(sel, operand=operand_choice(dev).describe())
     if sel.describe() not in _logged:
         _logged.add(sel.describe())
         log.info("ds_nvfp4 %s", sel.describe())

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..format import NVFP4Tensor
-from .base import GemmBackend, check_operands, global_alpha
+from .base import GemmBackend, Operand, check_operands, codes, global_alpha
 from .swizzle import ceil_to, swizzle_128x4
 
 
@@ -64,7 +64,7 @@ def build_scaled_mm_args(a: NVFP4Tensor, b: NVFP4Tensor) -> ScaledMMArgs:
 class TorchNativeBackend(GemmBackend):
     name = "torch"
 
-    def mm(self, a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        args = build_scaled_mm_args(a, b)
+    def mm(self, a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand, out_dtype: torch.dtype) -> torch.Tensor:
+        args = build_scaled_mm_args(codes(a), codes(b))
         out = torch._scaled_mm(args.a, args.b, args.scale_a, args.scale_b, out_dtype=torch.float32)
         return (out[:, : args.n] * args.alpha).to(out_dtype)

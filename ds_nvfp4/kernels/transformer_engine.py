@@ -15,7 +15,7 @@ import inspect
 import torch
 
 from ..format import NVFP4Tensor
-from .base import GemmBackend, check_operands
+from .base import GemmBackend, Operand, check_operands, codes
 from .swizzle import pad_scales
 
 
@@ -49,7 +49,8 @@ def _to_te(t: NVFP4Tensor):
 class TransformerEngineBackend(GemmBackend):
     name = "transformer_engine"
 
-    def mm(self, a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def mm(self, a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand, out_dtype: torch.dtype) -> torch.Tensor:
+        a, b = codes(a), codes(b)
         check_operands(a, b)
         from transformer_engine.pytorch.cpp_extensions import general_gemm
 

@@ -93,7 +93,7 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
     recipe = Recipe.from_config(pc, sel.name)
     mods = pc.modules
     blocks = find_blocks(model)
-    report = ConversionReport(kernel=sel.name, kernel_reason=sel.reason,
+    report = ConversionReport(kernel=sel.name, kernel_reason=sel.reason + (f"; {sel.operand}" if sel.operand else ""),
                               blocks=f"{blocks[0] or '<root>'} ({blocks[1]} x "
                                      f"{type(model.get_submodule(blocks[0])[0]).__name__})" if blocks else None)
     first, last = mods.keep_first_blocks_bf16, mods.keep_last_blocks_bf16

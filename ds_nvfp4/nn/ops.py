@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..format import NVFP4Tensor, hadamard, inverse_hadamard, quantize
-from ..kernels import get_backend
+from ..format import NVFP4Tensor, hadamard, inverse_hadamard
+from ..kernels import Operand, get_backend
 from .recipe import Recipe
 
 
@@ -33,10 +33,11 @@ def _bf16_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.to(torch.bfloat16) @ b.to(torch.bfloat16)
 
 
-def _weight_q(weight: torch.Tensor, weight_amax: torch.Tensor | None, r: Recipe) -> NVFP4Tensor:
+def _weight_operand(backend, weight: torch.Tensor, weight_amax: torch.Tensor | None, r: Recipe) -> Operand:
+    """The weight's GEMM operand, with its NVFP4 codes (saved for the backward)."""
     w = hadamard(weight) if r.act_hadamard else weight
     amax = None if (weight_amax is None or r.act_hadamard) else weight_amax.float().reshape(())
-    return quantize(w, block=r.weight_block, amax=amax)
+    return backend.quantize(w, block=r.weight_block, amax=amax, keep_codes=True)
 
 
 @torch.library.custom_op("ds_nvfp4::linear_fwd", mutates_args=())
@@ -54,9 +55,11 @@ def _no_autocast(t: torch.Tensor):
 
 def _linear_fwd(x, weight, bias, weight_amax, recipe: str, out_dtype: torch.dtype):
     r = Recipe.decode(recipe)
-    wq = _weight_q(weight, weight_amax, r)
-    xq = quantize(hadamard(x) if r.act_hadamard else x, block="1x16")
-    acc = get_backend(r.kernel).mm(xq, wq, torch.float32)
+    backend = get_backend(r.kernel)
+    wo = _weight_operand(backend, weight, weight_amax, r)
+    wq = wo.tensor
+    xo = backend.quantize(hadamard(x) if r.act_hadamard else x, block="1x16")
+    acc = backend.mm(xo, wo, torch.float32)
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(out_dtype), wq.data, wq.scale, wq.amax.clone()
@@ -98,8 +101,8 @@ def _linear_bwd(grad, x, w_data, w_scale, w_amax, recipe: str, x_dtype, w_dtype,
     else:
         rounding = "stochastic" if r.stochastic_rounding else "nearest"
         if need_dx:
-            gq = quantize(grad, block="1x16", rounding=rounding)
-            dx = backend.mm(gq, wq.t(), torch.float32)
+            gq = backend.quantize(grad, block="1x16", rounding=rounding)
+            dx = backend.mm(gq, backend.operand(wq).t(), torch.float32)
             if r.act_hadamard:
                 dx = inverse_hadamard(dx)
             dx = dx.to(x_dtype)
@@ -107,8 +110,8 @@ def _linear_bwd(grad, x, w_data, w_scale, w_amax, recipe: str, x_dtype, w_dtype,
             gt, xt = _pad_rows(grad).t(), _pad_rows(x).t()  # [N, Mp], [K, Mp]: quantized along tokens
             if r.backward_hadamard:
                 gt, xt = hadamard(gt), hadamard(xt)
-            dw = backend.mm(quantize(gt.contiguous(), rounding=rounding), quantize(xt.contiguous()),
-                            torch.float32).to(w_dtype)
+            dw = backend.mm(backend.quantize(gt.contiguous(), rounding=rounding),
+                            backend.quantize(xt.contiguous()), torch.float32).to(w_dtype)
     if need_db:
         db = grad.float().sum(0).to(w_dtype)
     return dx, dw, db

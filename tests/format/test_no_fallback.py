@@ -28,4 +28,8 @@ def test_no_format_kernel_fell_back() -> None:
                 q.dequantize(torch.bfloat16)
                 q.dequantize(torch.float32)
                 q.block_values()
+                q.block_values(torch.bfloat16)
+            for out in (torch.bfloat16, torch.float32):  # the fused quantize -> GEMM operand pass
+                ds_nvfp4.quantize_values(x, block=block, dtype=out)
+                ds_nvfp4.quantize_values(x, block=block, dtype=out, keep_codes=True)
     assert _compile.status() == {}, _compile.status()

@@ -7,6 +7,7 @@ import torch
 
 import ds_nvfp4
 from ds_nvfp4.kernels import BackendUnavailable, DeviceInfo, decide, get_backend, select
+from ds_nvfp4.kernels.emulated import reference
 from ds_nvfp4.kernels.swizzle import swizzle_128x4, swizzle_offset
 from ds_nvfp4.kernels.torch_native import build_scaled_mm_args
 from tests.reference import ref_fp4_gemm
@@ -16,8 +17,8 @@ from tests.reference import ref_fp4_gemm
 def test_emulated_gemm_is_bit_exact(m: int, n: int, k: int) -> None:
     a = torch.randn(m, k)
     b = torch.empty(n, k).cauchy_()
-    got = get_backend("emulated").mm(ds_nvfp4.quantize(a), ds_nvfp4.quantize(b, block="16x16"), torch.float32)
-    assert torch.equal(got, ref_fp4_gemm(a, b))
+    got = reference.mm(ds_nvfp4.quantize(a), ds_nvfp4.quantize(b, block="16x16"), torch.float32)
+    assert torch.equal(got, ref_fp4_gemm(a, b))  # the FP32-operand mode; BF16 operands: tests/kernels/test_operand.py
 
 
 @pytest.mark.parametrize("rows, cols", [(128, 4), (130, 5), (1, 1), (300, 17), (256, 8)])
@@ -112,6 +113,6 @@ def test_native_backends_match_emulation(name: str) -> None:
         pytest.skip(why)
     a = ds_nvfp4.quantize(torch.randn(256, 512, device="cuda"))
     b = ds_nvfp4.quantize(torch.randn(128, 512, device="cuda"), block="16x16")
-    want = get_backend("emulated").mm(a, b, torch.float32)
+    want = reference.mm(a, b, torch.float32)
     got = get_backend(name).mm(a, b, torch.float32)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))

@@ -9,8 +9,28 @@ import torch
 import torch.nn.functional as F
 
 import ds_nvfp4
+from ds_nvfp4.kernels import operand
 from ds_nvfp4.nn import NVFP4Linear, Recipe
-from tests.reference import ref_fp4_gemm
+from tests.reference import bf16_ulp, emulated_contract_bound, ref_fp4_gemm
+
+
+@pytest.fixture
+def fp32_operands(monkeypatch):
+    """The emulation's bit-exact mode (FP32 GEMM operands), whatever this CPU's default."""
+    monkeypatch.setenv(operand.ENV, "fp32")
+    operand.reset()
+    yield
+    monkeypatch.undo()
+    operand.reset()
+
+
+@pytest.fixture
+def bf16_operands(monkeypatch):
+    monkeypatch.setenv(operand.ENV, "bf16")
+    operand.reset()
+    yield
+    monkeypatch.undo()
+    operand.reset()
 
 
 def make(k: int = 64, n: int = 48, bias: bool = True, dtype=torch.float32, **recipe) -> NVFP4Linear:
@@ -20,13 +40,29 @@ def make(k: int = 64, n: int = 48, bias: bool = True, dtype=torch.float32, **rec
 @pytest.mark.parametrize("block", ["16x16", "1x16"])
 @pytest.mark.parametrize("lead", [(37,), (2, 5), (1,), (3, 1, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_forward_is_bit_exact(block: str, lead: tuple, dtype: torch.dtype) -> None:
+def test_forward_is_bit_exact(block: str, lead: tuple, dtype: torch.dtype, fp32_operands) -> None:
     lin = make(weight_block=block, dtype=dtype)
     x = torch.randn(*lead, 64, dtype=dtype)
     out = lin(x)
     ref = ref_fp4_gemm(x.reshape(-1, 64), lin.weight.detach(), "1x16", block) + lin.bias.detach().float()
     assert out.dtype == dtype and out.shape == (*lead, 48)
     assert torch.equal(out.reshape(-1, 48), ref.to(dtype))
+
+
+@pytest.mark.parametrize("block", ["16x16", "1x16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_with_bf16_operands_keeps_the_contract(block: str, dtype: torch.dtype, bf16_operands) -> None:
+    """BF16 GEMM operands: within one BF16 ulp of the FP32-accumulated result (plus summation order), then the one
+    rounding to the output dtype."""
+    lin = make(k=256, n=64, weight_block=block, dtype=dtype)
+    x = torch.randn(37, 256, dtype=dtype) * 4
+    out = lin(x).detach().float()
+    ref, bound = emulated_contract_bound(x, lin.weight.detach(), "1x16", block)
+    ref = ref + lin.bias.detach().float()
+    if dtype == torch.bfloat16:
+        bound = bound + 0.5 * bf16_ulp(ref)  # the output rounding itself
+    err = (out - ref).abs()
+    assert bool((err <= bound).all()), f"max error / bound {float((err / bound).max()):.3f}"
 
 
 def test_state_dict_and_parameters_are_a_linears() -> None:
@@ -39,7 +75,7 @@ def test_state_dict_and_parameters_are_a_linears() -> None:
     lin.load_state_dict(sd)
 
 
-def test_autocast_output_dtype() -> None:
+def test_autocast_output_dtype(fp32_operands) -> None:
     lin = make()
     x = torch.randn(5, 64)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -23,6 +23,10 @@ GOLDEN = Path(__file__).with_name("golden_1m.json")
 #: check the trajectory.
 TOLERANCE_FIRST = 1e-3
 TOLERANCE = 1e-2
+#: The goldens are taken with the emulation's BF16 GEMM operands (kernels/operand.py), the default on CPUs with
+#: AVX512-BF16/AMX and on GPUs; the mode is pinned so a CPU without BF16 units (default FP32 operands) checks the
+#: same numbers. Regenerate: ``python -m tests.train.test_train --regenerate`` (writes golden_1m.json).
+OPERAND_MODE = "bf16"
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +47,8 @@ def train(data: Path, out: Path, preset: str, steps: int = 8, extra: tuple = ())
 
 
 @pytest.mark.parametrize("preset", ["bf16_zero3.json", "nvfp4_zero3.json", "nvfp4_full_zero3.json"])
-def test_golden_losses(data: Path, tmp_path: Path, preset: str) -> None:
+def test_golden_losses(data: Path, tmp_path: Path, preset: str, monkeypatch) -> None:
+    monkeypatch.setenv("DS_NVFP4_EMULATED_OPERAND", OPERAND_MODE)
     rows = train(data, tmp_path / "run", preset)
     losses = [r["loss"] for r in rows]
     golden = json.loads(GOLDEN.read_text())[preset]
@@ -104,3 +109,19 @@ def test_finetune_learning_rate_schedule() -> None:
     lrs = [lr_at(s, 100, 1.0) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and max(lrs) == pytest.approx(1.0)
     assert all(a >= b for a, b in itertools.pairwise(lrs[9:])) and lrs[-1] == pytest.approx(1 / 90)
+
+
+if __name__ == "__main__":  # regenerate the goldens on this machine (see OPERAND_MODE)
+    import os
+    import tempfile
+
+    assert sys.argv[1:] == ["--regenerate"], "usage: python -m tests.train.test_train --regenerate"
+    os.environ["DS_NVFP4_EMULATED_OPERAND"] = OPERAND_MODE
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp) / "data"
+        d.mkdir()
+        prepare_text((ROOT / "tests" / "fixtures" / "shakespeare_sample.txt").read_bytes(), d, "tests/fixtures sample")
+        golden = {p: [r["loss"] for r in train(d, Path(tmp) / p, p)]
+                  for p in ("bf16_zero3.json", "nvfp4_zero3.json", "nvfp4_full_zero3.json")}
+    GOLDEN.write_text(json.dumps(golden, indent=2) + "\n")
+    print(json.dumps(golden, indent=2))

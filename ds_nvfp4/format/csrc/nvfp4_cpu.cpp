@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <cmath>
+#include <vector>
 
 // E2M1 code of one float32 (already multiplied by its block's encode scale): round to nearest, ties to the
 // even code, saturating at 6; NaN -> magnitude 0; sign = IEEE sign bit. Same comparisons as e2m1.encode_rne.
@@ -121,7 +122,68 @@ torch::Tensor decode(torch::Tensor data, torch::Tensor factor, int64_t row_div, 
   return out;
 }
 
+// Quantize and produce the GEMM operand in one pass: for each element, code = e2m1(x * enc_b) (round to nearest
+// even, as encode_rows) and value = e2m1_value(code) * s_b (exact: at most 6 significant bits), written as float32
+// or bfloat16 (exact either way). Optionally also the packed codes (the storage a backward or a checkpoint needs).
+// scale holds the float32 block scales s_b (E4M3 values) in the layout of enc.
+template <typename T, typename Out, typename Cast>
+static void encode_values_rows(const T* x, const float* enc, const float* scale, Out* vals, uint8_t* codes, int64_t m,
+                               int64_t k, int64_t row_div, Cast cast) {
+  const int64_t nb = k / 16;
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * k;
+      const float* er = enc + (r / row_div) * nb;
+      const float* sr = scale + (r / row_div) * nb;
+      Out* vrow = vals + r * k;
+      for (int64_t b = 0; b < nb; ++b) {
+        const float e = er[b];
+        const float s = sr[b];
+        float y[16];
+        for (int j = 0; j < 16; ++j) y[j] = to_f32(xr[b * 16 + j]) * e;
+        uint8_t c[16];
+        for (int j = 0; j < 16; ++j) c[j] = code_of(y[j]);
+        for (int j = 0; j < 16; ++j) vrow[b * 16 + j] = cast(kE2M1Signed[c[j]] * s);
+        if (codes != nullptr) {
+          uint8_t* crow = codes + r * (k / 2);
+          for (int j = 0; j < 8; ++j) crow[b * 8 + j] = static_cast<uint8_t>(c[2 * j] | (c[2 * j + 1] << 4));
+        }
+      }
+    }
+  });
+}
+
+std::vector<torch::Tensor> encode_values(torch::Tensor x, torch::Tensor enc, torch::Tensor scale, int64_t row_div,
+                                         bool bf16, bool want_codes) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0, "x: contiguous [M, K], K % 16 == 0");
+  TORCH_CHECK(enc.scalar_type() == torch::kFloat32 && enc.is_contiguous(), "enc: contiguous float32");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == enc.numel(),
+              "scale: contiguous float32, enc's layout");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(enc.numel() == ((m + row_div - 1) / row_div) * (k / 16), "enc: one scale per block");
+  auto vals = torch::empty({m, k}, x.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
+  torch::Tensor codes = want_codes ? torch::empty({m, k / 2}, x.options().dtype(torch::kUInt8)) : torch::Tensor();
+  uint8_t* cp = want_codes ? codes.data_ptr<uint8_t>() : nullptr;
+  const float* e = enc.data_ptr<float>();
+  const float* s = scale.data_ptr<float>();
+  auto to_bf16 = [](float v) { return to_bf16_bits(v); };
+  auto same = [](float v) { return v; };
+  if (x.scalar_type() == torch::kFloat32) {
+    const float* xp = x.data_ptr<float>();
+    if (bf16) encode_values_rows<float>(xp, e, s, reinterpret_cast<uint16_t*>(vals.data_ptr()), cp, m, k, row_div, to_bf16);
+    else encode_values_rows<float>(xp, e, s, vals.data_ptr<float>(), cp, m, k, row_div, same);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    if (bf16) encode_values_rows<uint16_t>(xp, e, s, reinterpret_cast<uint16_t*>(vals.data_ptr()), cp, m, k, row_div, to_bf16);
+    else encode_values_rows<uint16_t>(xp, e, s, vals.data_ptr<float>(), cp, m, k, row_div, same);
+  }
+  if (want_codes) return {vals, codes};
+  return {vals};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("encode_nearest", &encode_nearest);
   mod.def("decode", &decode);
+  mod.def("encode_values", &encode_values);
 }
