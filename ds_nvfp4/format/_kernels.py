@@ -104,7 +104,16 @@ def encode_nearest(x: torch.Tensor, enc: torch.Tensor, block: str) -> torch.Tens
     return e2m1.pack(e2m1.encode_rne(_scaled(x, enc, block)).reshape(m, k))
 
 
-@compiled
+def _encode_stochastic_cpp(x: torch.Tensor, enc: torch.Tensor, block: str,
+                           random_bytes: torch.Tensor) -> torch.Tensor | None:
+    """The C++ twin of :func:`encode_stochastic` (``csrc/nvfp4_cpu.cpp``), or None where it does not apply."""
+    ext = _cpu_ext_for(x, x.dtype)
+    if ext is None or not random_bytes.is_contiguous():
+        return None
+    return ext.encode_stochastic(x, enc.contiguous(), 1 if block == "1x16" else BLOCK_SIZE, random_bytes)
+
+
+@compiled(native=_encode_stochastic_cpp)
 def encode_stochastic(x: torch.Tensor, enc: torch.Tensor, block: str, random_bytes: torch.Tensor) -> torch.Tensor:
     """Packed uint8 codes [M, K/2] of ``x * enc_b`` rounded stochastically with ``random_bytes`` [M, K]."""
     m, k = x.shape
