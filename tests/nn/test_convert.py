@@ -83,7 +83,11 @@ def test_report_json_and_table() -> None:
     assert j["kernel"] == "emulated" and 0 < j["fp4_fraction"] < 1
     assert {layer["name"] for layer in j["layers"]} >= {"lm_head", "blocks.0.fc1"}
     table = rep.table()
-    assert "kernel emulated (no CUDA device: CPU)" in table and "blocks.0.fc1" in table
+    from ds_nvfp4.kernels import operand_choice
+
+    # the backend, why, and the emulation's GEMM operand dtype for this CPU (kernels/operand.py)
+    want = f"kernel emulated (no CUDA device: CPU; {operand_choice('cpu').describe()})"
+    assert want in table and "blocks.0.fc1" in table
     assert "8 of 14 Linear layers in NVFP4" in table
 
 

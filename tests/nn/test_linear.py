@@ -14,23 +14,23 @@ from ds_nvfp4.nn import NVFP4Linear, Recipe
 from tests.reference import bf16_ulp, emulated_contract_bound, ref_fp4_gemm
 
 
-@pytest.fixture
-def fp32_operands(monkeypatch):
-    """The emulation's bit-exact mode (FP32 GEMM operands), whatever this CPU's default."""
-    monkeypatch.setenv(operand.ENV, "fp32")
+def _operand_mode(monkeypatch, mode: str):
+    monkeypatch.setenv(operand.ENV, mode)
     operand.reset()
     yield
     monkeypatch.undo()
     operand.reset()
+
+
+@pytest.fixture
+def fp32_operands(monkeypatch):
+    """The emulation's bit-exact mode (FP32 GEMM operands), whatever this CPU's default."""
+    yield from _operand_mode(monkeypatch, "fp32")
 
 
 @pytest.fixture
 def bf16_operands(monkeypatch):
-    monkeypatch.setenv(operand.ENV, "bf16")
-    operand.reset()
-    yield
-    monkeypatch.undo()
-    operand.reset()
+    yield from _operand_mode(monkeypatch, "bf16")
 
 
 def make(k: int = 64, n: int = 48, bias: bool = True, dtype=torch.float32, **recipe) -> NVFP4Linear:
