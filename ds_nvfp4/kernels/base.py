@@ -69,6 +69,16 @@ class GemmBackend(ABC):
     def mm(self, a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand, out_dtype: torch.dtype) -> torch.Tensor:
         """``a @ b.T`` as ``out_dtype`` ``[M, N]``: FP32 accumulation, both per-tensor decode scales applied."""
 
+    def linear(self, a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand, bias: torch.Tensor | None,
+               out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, nonfinite)``: ``out_dtype(a @ b.T + bias)`` with the bias added to the FP32 result, and a bool
+        0-dim tensor telling whether any output is NaN/Inf (no host sync)."""
+        acc = self.mm(a, b, torch.float32)
+        if bias is not None:
+            acc = acc + bias.float()
+        out = acc.to(out_dtype)
+        return out, ~torch.isfinite(out).all()
+
 
 def codes(t: NVFP4Tensor | Operand) -> NVFP4Tensor:
     """The NVFP4 codes of an operand (what native FP4 GEMMs read)."""

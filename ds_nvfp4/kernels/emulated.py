@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from ..format import NVFP4Tensor, quantize, quantize_values
+from ..format import NVFP4Tensor, _kernels, quantize, quantize_values
 from .base import GemmBackend, Operand, check_operands, global_alpha
 from .operand import operand_choice
 
@@ -35,14 +35,12 @@ def _cuda_mm_out_dtype() -> bool:
         return False
 
 
-def matmul_fp32_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """float32 ``a @ b`` for exact operands ``a`` [M, K], ``b`` [K, N] (float32 or bfloat16): FP32 accumulation;
-    with BF16 operands on CPU the library's BF16 output (one rounding of its FP32 accumulator) is widened."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if a.is_cuda and _cuda_mm_out_dtype():
+def matmul_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for exact operands ``a`` [M, K], ``b`` [K, N] (float32 or bfloat16) with FP32 accumulation: the
+    float32 accumulator, or (BF16 operands on CPU, where oneDNN returns only BF16) that accumulator rounded once."""
+    if a.dtype == torch.bfloat16 and a.is_cuda and _cuda_mm_out_dtype():
         return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).float()
+    return a @ b
 
 
 class EmulatedBackend(GemmBackend):
@@ -73,10 +71,15 @@ class EmulatedBackend(GemmBackend):
         return Operand(q.amax, q, q.block_values(self.operand_dtype(q.device)))
 
     def mm(self, a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand, out_dtype: torch.dtype) -> torch.Tensor:
+        return self.linear(a, b, None, out_dtype)[0]
+
+    def linear(self, a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand, bias: torch.Tensor | None,
+               out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         check_operands(a, b)
         a, b = self.operand(a), self.operand(b)
-        acc = matmul_fp32_acc(a.values, b.values.t())
-        return (acc * global_alpha(a, b)).to(out_dtype)
+        acc = matmul_acc(a.values, b.values.t())
+        # alpha, bias and the output cast in one pass (C++ on CPU; same float32 order as the eager definition)
+        return _kernels.epilogue(acc, global_alpha(a, b), bias, out_dtype)
 
 
 #: the bit-exact FP32-operand emulation: the reference native backends and the other modes are checked against

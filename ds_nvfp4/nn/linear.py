@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .ops import fp4_linear
+from .ops import fp4_linear_tracked
 from .recipe import Recipe
 from .stats import LayerStats
 
@@ -58,15 +58,15 @@ class NVFP4Linear(nn.Linear):
         amax = getattr(self.weight, WEIGHT_AMAX_ATTR, None)
         if amax is None and self.fused_peers:
             amax = self.shared_weight_amax()
-        seen = x.detach().abs().amax().float() if self.training else None
         if self.stats.capture:
             self.stats.observe_forward(x, self.weight, self.recipe, amax)
-        out = fp4_linear(x, self.weight, self.bias, self.recipe, amax, out_dtype)
-        if seen is not None:
+        # max|x| and the output's non-finite flag come from the quantizer and the GEMM epilogue (no extra passes)
+        out, seen, out_bad = fp4_linear_tracked(x, self.weight, self.bias, self.recipe, amax, out_dtype)
+        if self.training:
             ok = torch.isfinite(seen)
             finite = torch.where(ok, seen, torch.zeros_like(seen))  # a bad step must not poison the export scale
             self.input_amax = finite if self.input_amax is None else torch.maximum(self.input_amax, finite)
-            bad = ~ok | ~torch.isfinite(out.detach().abs().amax())
+            bad = ~ok | out_bad
             self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
         if self.stats.capture and out.requires_grad:
             out.register_hook(self.stats.observe_grad)

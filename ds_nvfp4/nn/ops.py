@@ -42,8 +42,11 @@ def _weight_operand(backend, weight: torch.Tensor, weight_amax: torch.Tensor | N
 
 @torch.library.custom_op("ds_nvfp4::linear_fwd", mutates_args=())
 def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_amax: torch.Tensor | None,
-               recipe: str, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(out [M, N], w_data, w_scale, w_amax)``; the last three are the weight's NVFP4 storage."""
+               recipe: str, out_dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(out [M, N], w_data, w_scale, w_amax, x_amax, out_nonfinite)``: the weight's NVFP4 storage (saved
+    for the backward), max|x| (float32 0-dim, NaN if x held NaN/Inf: the quantizer computed it anyway) and whether
+    any output is NaN/Inf (bool 0-dim): what NVFP4Linear tracks without extra passes."""
     with _no_autocast(x):
         return _linear_fwd(x, weight, bias, weight_amax, recipe, out_dtype)
 
@@ -59,10 +62,9 @@ def _linear_fwd(x, weight, bias, weight_amax, recipe: str, out_dtype: torch.dtyp
     wo = _weight_operand(backend, weight, weight_amax, r)
     wq = wo.tensor
     xo = backend.quantize(hadamard(x) if r.act_hadamard else x, block="1x16")
-    acc = backend.mm(xo, wo, torch.float32)
-    if bias is not None:
-        acc = acc + bias.float()
-    return acc.to(out_dtype), wq.data, wq.scale, wq.amax.clone()
+    out, bad = backend.linear(xo, wo, bias, out_dtype)
+    x_amax = x.detach().abs().amax().float() if r.act_hadamard else xo.amax.clone()
+    return out, wq.data, wq.scale, wq.amax.clone(), x_amax, bad
 
 
 @linear_fwd.register_fake
@@ -71,7 +73,8 @@ def _(x, weight, bias, weight_amax, recipe, out_dtype):
     n, k = weight.shape
     s_rows = n // 16 if r.weight_block == "16x16" else n
     return (x.new_empty(x.shape[0], n, dtype=out_dtype), weight.new_empty(n, k // 2, dtype=torch.uint8),
-            weight.new_empty(s_rows, k // 16, dtype=torch.float8_e4m3fn), weight.new_empty((), dtype=torch.float32))
+            weight.new_empty(s_rows, k // 16, dtype=torch.float8_e4m3fn), weight.new_empty((), dtype=torch.float32),
+            x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.bool))
 
 
 @torch.library.custom_op("ds_nvfp4::linear_bwd", mutates_args=())
@@ -128,7 +131,7 @@ def _(grad, x, w_data, w_scale, w_amax, recipe, x_dtype, w_dtype, need_dx, need_
 
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, bias, _weight_amax, recipe, _out_dtype = inputs
-    _, w_data, w_scale, w_amax = output
+    _, w_data, w_scale, w_amax, _x_amax, _bad = output
     ctx.save_for_backward(x, w_data, w_scale, w_amax)
     ctx.recipe = recipe
     ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
@@ -147,12 +150,19 @@ def _backward(ctx, grad_out, *_unused):
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe,
-               weight_amax: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Functional FP4 Linear over leading dims: ``x`` ``[..., K]`` -> ``[..., N]``."""
+def fp4_linear_tracked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe,
+                       weight_amax: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fp4_linear` plus ``(max|x| float32 0-dim, output-non-finite bool 0-dim)``, computed on the way."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    out, *_ = linear_fwd(x2, weight, bias, weight_amax, recipe.encode(), out_dtype or x.dtype)
-    return out.reshape(*lead, weight.shape[0])
+    out, _, _, _, x_amax, bad = linear_fwd(x2, weight, bias, weight_amax, recipe.encode(), out_dtype or x.dtype)
+    return out.reshape(*lead, weight.shape[0]), x_amax, bad
+
+
+def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe,
+               weight_amax: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Functional FP4 Linear over leading dims: ``x`` ``[..., K]`` -> ``[..., N]``."""
+    return fp4_linear_tracked(x, weight, bias, recipe, weight_amax, out_dtype)[0]

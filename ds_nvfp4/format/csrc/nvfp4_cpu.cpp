@@ -11,6 +11,10 @@
 #include <cstring>
 #include <cmath>
 #include <vector>
+#include <atomic>
+#include <limits>
+#include <algorithm>
+#include <c10/util/Float8_e4m3fn.h>
 
 // E2M1 code of one float32 (already multiplied by its block's encode scale): round to nearest, ties to the
 // even code, saturating at 6; NaN -> magnitude 0; sign = IEEE sign bit. Same comparisons as e2m1.encode_rne.
@@ -32,7 +36,7 @@ template <> inline float to_f32<uint16_t>(uint16_t v) {  // bfloat16 bits -> flo
 }
 
 template <typename T>
-static void encode_rows(const T* x, const float* enc, uint8_t* out, int64_t m, int64_t k, int64_t row_div) {
+static void encode_rows(const T* __restrict x, const float* __restrict enc, uint8_t* __restrict out, int64_t m, int64_t k, int64_t row_div) {
   const int64_t nb = k / 16;
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -90,10 +94,12 @@ static void encode_sr_rows(const T* x, const float* enc, const uint8_t* rnd, uin
           const float inv = a < 2.0f ? 2.0f : (a < 4.0f ? 1.0f : 0.5f);  // a * inv == a / st exactly (2^n)
           const float u = static_cast<float>(ur[b * 16 + j]) * (1.0f / 256.0f);
           const float t = std::floor(a * inv + u) * st;
-          const float q = t > 6.0f ? 6.0f : t;
+          const float q = t > 6.0f ? 6.0f : t;  // NaN stays NaN (as torch.clamp) and gets magnitude code 0
           uint32_t bits;
           std::memcpy(&bits, &y, 4);
-          c[j] = static_cast<uint8_t>(code_of(q) | ((bits >> 31) << 3));
+          const uint32_t mag = (q > 0.25f) + (q >= 0.75f) + (q > 1.25f) + (q >= 1.75f) + (q > 2.5f) + (q >= 3.5f) +
+                               (q > 5.0f);
+          c[j] = static_cast<uint8_t>((a != a ? 0u : mag) | ((bits >> 31) << 3));
         }
         for (int j = 0; j < 8; ++j) orow[b * 8 + j] = static_cast<uint8_t>(c[2 * j] | (c[2 * j + 1] << 4));
       }
@@ -120,10 +126,10 @@ torch::Tensor encode_stochastic(torch::Tensor x, torch::Tensor enc, int64_t row_
 
 // float32 -> bfloat16 bits, round to nearest even, as c10::BFloat16's constructor does (NaN -> 0x7FC0).
 static inline uint16_t to_bf16_bits(float f) {
-  if (std::isnan(f)) return 0x7FC0;
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  const uint16_t r = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  return f != f ? static_cast<uint16_t>(0x7FC0) : r;  // a select, not a branch: the loops vectorise
 }
 
 // E2M1 values of the 16 codes with the sign applied as the eager kernel does (magnitude * -1 for codes 8..15, so
@@ -178,7 +184,8 @@ torch::Tensor decode(torch::Tensor data, torch::Tensor factor, int64_t row_div, 
 // or bfloat16 (exact either way). Optionally also the packed codes (the storage a backward or a checkpoint needs).
 // scale holds the float32 block scales s_b (E4M3 values) in the layout of enc.
 template <typename T, typename Out, typename Cast>
-static void encode_values_rows(const T* x, const float* enc, const float* scale, Out* vals, uint8_t* codes, int64_t m,
+static void encode_values_rows(const T* __restrict x, const float* __restrict enc, const float* __restrict scale,
+                               Out* __restrict vals, uint8_t* __restrict codes, int64_t m,
                                int64_t k, int64_t row_div, Cast cast) {
   const int64_t nb = k / 16;
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
@@ -240,9 +247,181 @@ std::vector<torch::Tensor> encode_values(torch::Tensor x, torch::Tensor enc, tor
   return {vals};
 }
 
+// The whole quantize -> operand step in C++ (the twin of quantize_values' eager composition block_amax -> scales ->
+// encode_values): block amaxes (NaN propagates), the per-tensor amax (given or their max), the float32 scale
+// arithmetic of _kernels.scales in the same order (E4M3 rounding by c10's converter, as Tensor.to does), then the
+// codes and values. One call instead of three: the per-call overhead of the compiled kernels dominated small layers.
+static inline float nan_max(float m, float a) { return (a > m || std::isnan(a)) ? a : m; }
+
+template <typename T>
+static void block_amax_rows(const T* __restrict x, float* __restrict bamax, int64_t m, int64_t k, int64_t row_div) {
+  const int64_t nb = k / 16;
+  const int64_t groups = (m + row_div - 1) / row_div;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      float* out = bamax + g * nb;
+      for (int64_t b = 0; b < nb; ++b) out[b] = 0.0f;
+      for (int64_t r = g * row_div; r < std::min(m, (g + 1) * row_div); ++r) {
+        const T* xr = x + r * k;
+        for (int64_t b = 0; b < nb; ++b) {
+          // max over the block without a loop-carried NaN test (so it vectorises); NaN re-applied after
+          float v[16];
+          bool has_nan = false;
+          for (int j = 0; j < 16; ++j) {
+            v[j] = std::fabs(to_f32(xr[b * 16 + j]));
+            has_nan |= v[j] != v[j];
+          }
+          for (int w = 8; w > 0; w /= 2)
+            for (int j = 0; j < w; ++j) v[j] = v[j + w] > v[j] ? v[j + w] : v[j];
+          out[b] = has_nan ? std::numeric_limits<float>::quiet_NaN() : nan_max(out[b], v[0]);
+        }
+      }
+    }
+  });
+}
+
+// float32 t in [0, 448] (or NaN) -> E4M3 bits and value, round to nearest even, subnormals included: the same result
+// as c10's converter (used by Tensor.to(float8_e4m3fn)) on this range, without its per-call cost.
+static inline void e4m3_of_nonnegative(float t, uint8_t* code, float* value) {
+  if (t != t) {
+    *code = 0x7F;
+    *value = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  if (t < 0.015625f) {  // below 2^-6: subnormal steps of 2^-9 (t * 512 is exact)
+    const float q = std::nearbyint(t * 512.0f);  // default rounding mode: nearest even
+    *code = static_cast<uint8_t>(q);
+    *value = q * (1.0f / 512.0f);
+    return;
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &t, 4);
+  const uint32_t r = (bits + 0x7FFFFu + ((bits >> 20) & 1u)) & ~0xFFFFFu;  // keep 3 mantissa bits, RNE
+  std::memcpy(value, &r, 4);
+  *code = static_cast<uint8_t>((r >> 20) - (120u << 3));  // exponent bias 127 -> 7
+}
+
+std::vector<torch::Tensor> quantize_operand(torch::Tensor x, c10::optional<torch::Tensor> amax, int64_t row_div,
+                                            bool bf16, bool want_codes) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0, "x: contiguous [M, K], K % 16 == 0");
+  const int64_t m = x.size(0), k = x.size(1), nb = k / 16;
+  const int64_t groups = (m + row_div - 1) / row_div;
+  auto f32 = x.options().dtype(torch::kFloat32);
+  auto bamax = torch::empty({groups, nb}, f32);
+  float* ba = bamax.data_ptr<float>();
+  if (x.scalar_type() == torch::kFloat32) {
+    block_amax_rows<float>(x.data_ptr<float>(), ba, m, k, row_div);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
+    block_amax_rows<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), ba, m, k, row_div);
+  }
+  const int64_t n_blocks = groups * nb;
+  float local = 0.0f;
+  for (int64_t i = 0; i < n_blocks; ++i) local = nan_max(local, ba[i]);
+  if (n_blocks == 0) local = -std::numeric_limits<float>::infinity();
+  float used = local;
+  if (amax.has_value()) {
+    TORCH_CHECK(amax->numel() == 1 && amax->scalar_type() == torch::kFloat32, "amax: one float32");
+    used = amax->contiguous().data_ptr<float>()[0];
+  }
+  if (!(std::isfinite(local) && std::isfinite(used))) used = std::numeric_limits<float>::quiet_NaN();
+  const float flt_max = std::numeric_limits<float>::max();
+  float s_enc = 2688.0f / used;
+  if (used == 0.0f || s_enc == 0.0f) s_enc = 1.0f;
+  if (s_enc > flt_max) s_enc = flt_max;
+  const float s_dec = 1.0f / s_enc;
+  const float s_enc6 = s_enc * (1.0f / 6.0f);
+  auto scale = torch::empty({groups, nb}, x.options().dtype(at::kFloat8_e4m3fn));
+  auto scale_f = torch::empty({groups, nb}, f32);
+  auto enc = torch::empty({groups, nb}, f32);
+  uint8_t* sb = reinterpret_cast<uint8_t*>(scale.data_ptr());
+  float* sf = scale_f.data_ptr<float>();
+  float* ef = enc.data_ptr<float>();
+  for (int64_t i = 0; i < n_blocks; ++i) {
+    float t = ba[i] * s_enc6;
+    if (t > 448.0f) t = 448.0f;
+    uint8_t qb;
+    float qf;
+    e4m3_of_nonnegative(t, &qb, &qf);
+    sb[i] = qb;
+    sf[i] = qf;
+    float e = 1.0f / (qf * s_dec);
+    if (e > flt_max) e = flt_max;
+    ef[i] = e;
+  }
+  auto out = encode_values(x, enc, scale_f, row_div, bf16, want_codes);
+  auto used_t = torch::full({}, used, f32);
+  if (want_codes) return {out[0], out[1], scale, used_t};
+  return {out[0], torch::empty({0}, x.options().dtype(torch::kUInt8)), scale, used_t};
+}
+
+static inline float widen(uint16_t v) { return to_f32(v); }
+static inline float widen(float v) { return v; }
+static inline void store(uint16_t* o, float y, unsigned* bad) {
+  const uint16_t h = to_bf16_bits(y);
+  *o = h;
+  *bad |= (h & 0x7F80u) == 0x7F80u;
+}
+static inline void store(float* o, float y, unsigned* bad) {
+  *o = y;
+  uint32_t bits;
+  std::memcpy(&bits, &y, 4);
+  *bad |= (bits & 0x7F800000u) == 0x7F800000u;
+}
+
+// One row of the epilogue; restrict-qualified and without a loop-carried branch, so it vectorises.
+template <typename In, typename Out>
+static unsigned epilogue_row(const In* __restrict acc, Out* __restrict out, const float* __restrict bias, float a,
+                             int64_t n) {
+  unsigned bad = 0;
+  if (bias != nullptr) {
+    for (int64_t c = 0; c < n; ++c) store(out + c, widen(acc[c]) * a + bias[c], &bad);
+  } else {
+    for (int64_t c = 0; c < n; ++c) store(out + c, widen(acc[c]) * a, &bad);
+  }
+  return bad;
+}
+
+// The GEMM epilogue of the emulation: out = cast(float(acc) * alpha [+ float(bias)]) in that order (no FMA: the
+// extension is built with -ffp-contract=off), and whether any output is NaN/Inf (the layer's non-finite flag).
+std::vector<torch::Tensor> epilogue(torch::Tensor acc, torch::Tensor alpha, c10::optional<torch::Tensor> bias,
+                                    bool bf16_out) {
+  TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous(), "acc: contiguous [M, N]");
+  TORCH_CHECK(acc.scalar_type() == torch::kBFloat16 || acc.scalar_type() == torch::kFloat32, "acc: bf16 or f32");
+  const int64_t m = acc.size(0), n = acc.size(1);
+  const float a = alpha.contiguous().data_ptr<float>()[0];
+  torch::Tensor bias_f;
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    bias_f = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(bias_f.numel() == n, "bias: [N]");
+    bp = bias_f.data_ptr<float>();
+  }
+  auto out = torch::empty({m, n}, acc.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+  const bool in_bf16 = acc.scalar_type() == torch::kBFloat16;
+  const uint16_t* ab = in_bf16 ? reinterpret_cast<const uint16_t*>(acc.data_ptr()) : nullptr;
+  const float* af = in_bf16 ? nullptr : acc.data_ptr<float>();
+  uint16_t* ob = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
+  float* of = bf16_out ? nullptr : out.data_ptr<float>();
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    unsigned local_bad = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+      if (in_bf16 && bf16_out) local_bad |= epilogue_row(ab + r * n, ob + r * n, bp, a, n);
+      else if (in_bf16) local_bad |= epilogue_row(ab + r * n, of + r * n, bp, a, n);
+      else if (bf16_out) local_bad |= epilogue_row(af + r * n, ob + r * n, bp, a, n);
+      else local_bad |= epilogue_row(af + r * n, of + r * n, bp, a, n);
+    }
+    if (local_bad) bad = true;
+  });
+  return {out, torch::full({}, bad.load(), acc.options().dtype(torch::kBool))};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("encode_nearest", &encode_nearest);
   mod.def("decode", &decode);
   mod.def("encode_values", &encode_values);
   mod.def("encode_stochastic", &encode_stochastic);
+  mod.def("quantize_operand", &quantize_operand);
+  mod.def("epilogue", &epilogue);
 }
