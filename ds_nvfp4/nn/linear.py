@@ -9,6 +9,18 @@ from .ops import fp4_linear_tracked
 from .recipe import Recipe
 from .stats import LayerStats
 
+#: Bumped after every optimizer step (``ds_nvfp4.initialize``'s step wrapper) and checkpoint load: a cached weight
+#: quantization from an older generation is stale. See :func:`invalidate_weight_caches`.
+_generation = 0
+
+
+def invalidate_weight_caches() -> None:
+    """Drop every NVFP4Linear's cached weight codes (call after changing weights outside an optimizer step of a
+    ``ds_nvfp4.initialize`` engine; in-place changes through the parameter itself are noticed anyway)."""
+    global _generation
+    _generation += 1
+
+
 #: Attribute the ZeRO store hangs on a weight parameter: the float32 amax agreed across data-parallel ranks,
 #: so the forward re-derives exactly the stored codes from the gathered BF16 weight.
 WEIGHT_AMAX_ATTR = "ds_nvfp4_amax"
@@ -32,6 +44,12 @@ class NVFP4Linear(nn.Linear):
     #: whether a training forward since the last optimizer step saw a non-finite input or output (bool scalar
     #: tensor, no host sync; read by ``ds_nvfp4.initialize``'s step wrapper to name the first culprit layer)
     nonfinite: torch.Tensor | None
+    #: quantize the weight once per optimizer step and reuse the codes in the step's other forwards (gradient
+    #: accumulation, activation-checkpointing recomputation, evaluation). Off by default: only an engine that bumps
+    #: the generation after each optimizer step (``ds_nvfp4.initialize``, ZeRO-0/1/2) turns it on.
+    cache_weight: bool
+    #: how many times this layer quantized its weight (cache misses included; every forward without the cache)
+    weight_quantizations: int
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  recipe: Recipe | None = None) -> None:
@@ -44,6 +62,9 @@ class NVFP4Linear(nn.Linear):
         self.fused_peers = ()
         self.input_amax = None
         self.nonfinite = None
+        self.cache_weight = False
+        self.weight_quantizations = 0
+        self._weight_cache: tuple[tuple, tuple[torch.Tensor, ...]] | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Recipe) -> NVFP4Linear:
@@ -55,13 +76,30 @@ class NVFP4Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        amax = getattr(self.weight, WEIGHT_AMAX_ATTR, None)
-        if amax is None and self.fused_peers:
-            amax = self.shared_weight_amax()
+        cached, key = None, None
+        if self.cache_weight:
+            # the generation covers DeepSpeed's writes through flat buffers (they bypass the parameter's version
+            # counter); data_ptr and _version cover in-place changes through the parameter itself
+            w = self.weight
+            key = (_generation, w.data_ptr(), w._version, tuple(w.shape), w.dtype)
+            if self._weight_cache is not None and self._weight_cache[0] == key:
+                cached = self._weight_cache[1]
+        amax = None
+        if cached is None:
+            self.weight_quantizations += 1
+        if cached is None or self.stats.capture:
+            amax = getattr(self.weight, WEIGHT_AMAX_ATTR, None)
+            if amax is None and self.fused_peers:
+                amax = self.shared_weight_amax()
         if self.stats.capture:
             self.stats.observe_forward(x, self.weight, self.recipe, amax)
         # max|x| and the output's non-finite flag come from the quantizer and the GEMM epilogue (no extra passes)
-        out, seen, out_bad = fp4_linear_tracked(x, self.weight, self.bias, self.recipe, amax, out_dtype)
+        out, seen, out_bad, codes = fp4_linear_tracked(x, self.weight, self.bias, self.recipe, amax, out_dtype,
+                                                       cached)
+        if self.cache_weight and cached is None:
+            self._weight_cache = (key, tuple(c.detach() for c in codes))
+        elif not self.cache_weight:
+            self._weight_cache = None
         if self.training:
             ok = torch.isfinite(seen)
             finite = torch.where(ok, seen, torch.zeros_like(seen))  # a bad step must not poison the export scale

@@ -42,13 +42,18 @@ def _weight_operand(backend, weight: torch.Tensor, weight_amax: torch.Tensor | N
 
 @torch.library.custom_op("ds_nvfp4::linear_fwd", mutates_args=())
 def linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_amax: torch.Tensor | None,
-               recipe: str, out_dtype: torch.dtype
+               recipe: str, out_dtype: torch.dtype, w_data: torch.Tensor | None = None,
+               w_scale: torch.Tensor | None = None, w_amax: torch.Tensor | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(out [M, N], w_data, w_scale, w_amax, x_amax, out_nonfinite)``: the weight's NVFP4 storage (saved
     for the backward), max|x| (float32 0-dim, NaN if x held NaN/Inf: the quantizer computed it anyway) and whether
-    any output is NaN/Inf (bool 0-dim): what NVFP4Linear tracks without extra passes."""
+    any output is NaN/Inf (bool 0-dim): what NVFP4Linear tracks without extra passes.
+
+    ``w_data``/``w_scale``/``w_amax``: the weight's codes from an earlier forward of the same optimizer step (the
+    weight cache of NVFP4Linear); the weight is then not quantized again and the three storage outputs are empty
+    (the backward saves the given ones: custom-op outputs may not alias inputs)."""
     with _no_autocast(x):
-        return _linear_fwd(x, weight, bias, weight_amax, recipe, out_dtype)
+        return _linear_fwd(x, weight, bias, weight_amax, recipe, out_dtype, w_data, w_scale, w_amax)
 
 
 def _no_autocast(t: torch.Tensor):
@@ -56,21 +61,31 @@ def _no_autocast(t: torch.Tensor):
     return torch.autocast(t.device.type, enabled=False)
 
 
-def _linear_fwd(x, weight, bias, weight_amax, recipe: str, out_dtype: torch.dtype):
+def _linear_fwd(x, weight, bias, weight_amax, recipe: str, out_dtype: torch.dtype, w_data=None, w_scale=None,
+                w_amax=None):
     r = Recipe.decode(recipe)
     backend = get_backend(r.kernel)
-    wo = _weight_operand(backend, weight, weight_amax, r)
-    wq = wo.tensor
+    if w_data is not None:
+        wq = NVFP4Tensor(w_data, w_scale, w_amax, torch.Size(weight.shape), r.weight_block)
+        wo = backend.operand(wq)
+        stored = (w_data.new_empty(0), w_scale.new_empty(0), w_amax.new_empty(0))
+    else:
+        wo = _weight_operand(backend, weight, weight_amax, r)
+        wq = wo.tensor
+        stored = (wq.data, wq.scale, wq.amax.clone())
     xo = backend.quantize(hadamard(x) if r.act_hadamard else x, block="1x16")
     out, bad = backend.linear(xo, wo, bias, out_dtype)
     x_amax = x.detach().abs().amax().float() if r.act_hadamard else xo.amax.clone()
-    return out, wq.data, wq.scale, wq.amax.clone(), x_amax, bad
+    return out, *stored, x_amax, bad
 
 
 @linear_fwd.register_fake
-def _(x, weight, bias, weight_amax, recipe, out_dtype):
+def _(x, weight, bias, weight_amax, recipe, out_dtype, w_data=None, w_scale=None, w_amax=None):
     r = Recipe.decode(recipe)
     n, k = weight.shape
+    if w_data is not None:
+        return (x.new_empty(x.shape[0], n, dtype=out_dtype), w_data.new_empty(0), w_scale.new_empty(0),
+                w_amax.new_empty(0), x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.bool))
     s_rows = n // 16 if r.weight_block == "16x16" else n
     return (x.new_empty(x.shape[0], n, dtype=out_dtype), weight.new_empty(n, k // 2, dtype=torch.uint8),
             weight.new_empty(s_rows, k // 16, dtype=torch.float8_e4m3fn), weight.new_empty((), dtype=torch.float32),
@@ -130,8 +145,10 @@ def _(grad, x, w_data, w_scale, w_amax, recipe, x_dtype, w_dtype, need_dx, need_
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, _weight_amax, recipe, _out_dtype = inputs
+    x, weight, bias, _weight_amax, recipe, _out_dtype, cached_data, cached_scale, cached_amax = inputs
     _, w_data, w_scale, w_amax, _x_amax, _bad = output
+    if cached_data is not None:
+        w_data, w_scale, w_amax = cached_data, cached_scale, cached_amax
     ctx.save_for_backward(x, w_data, w_scale, w_amax)
     ctx.recipe = recipe
     ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
@@ -144,22 +161,29 @@ def _backward(ctx, grad_out, *_unused):
     need_db = ctx.has_bias and ctx.needs_input_grad[2]
     dx, dw, db = linear_bwd(grad_out.contiguous(), x, w_data, w_scale, w_amax, ctx.recipe, ctx.x_dtype,
                             ctx.w_dtype, need_dx, need_dw, need_db)
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None, None)
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None, None, None, None,
+            None)
 
 
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fp4_linear_tracked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe,
-                       weight_amax: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`fp4_linear` plus ``(max|x| float32 0-dim, output-non-finite bool 0-dim)``, computed on the way."""
+                       weight_amax: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                       cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """:func:`fp4_linear` plus ``(max|x| float32 0-dim, output-non-finite bool 0-dim, weight codes)``, computed on
+    the way; ``cached``: the weight's ``(data, scale, amax)`` from an earlier forward (returned as they are)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    out, _, _, _, x_amax, bad = linear_fwd(x2, weight, bias, weight_amax, recipe.encode(), out_dtype or x.dtype)
-    return out.reshape(*lead, weight.shape[0]), x_amax, bad
+    out, w_data, w_scale, w_amax, x_amax, bad = linear_fwd(x2, weight, bias, weight_amax, recipe.encode(),
+                                                           out_dtype or x.dtype, *(cached or (None, None, None)))
+    # statistics, not part of the function: detached, or a running max over them would chain every step's graph
+    # (and its saved activations) into the next one
+    return (out.reshape(*lead, weight.shape[0]), x_amax.detach(), bad.detach(),
+            cached or (w_data.detach(), w_scale.detach(), w_amax.detach()))
 
 
 def fp4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Recipe,

@@ -238,3 +238,20 @@ def test_three_ranks_pad_partitions_which_are_stored_bf16_and_reported() -> None
         assert "do not split evenly over 3 ranks" in kept["blocks.0.fc1.weight"], kept  # 16384 % 3 != 0
         assert r["finite"] and all(v["equal"] for v in r["after"].values() if v["packed"])
         assert r["report"]["packed_params"] + r["report"]["bf16_params"] > 0
+
+
+def test_weight_is_quantized_once_per_optimizer_step() -> None:
+    """ZeRO-2, 2 micro-batches per step, block 1 activation-checkpointed, an evaluation forward at the end: with the
+    cache every FP4 layer quantizes its weight once per weight version (3 steps + the weights the evaluation sees
+    after the last step = 4), without it once per forward; the codes are the same, so the losses are equal bit for
+    bit (a cache that missed an optimizer step's update would change them)."""
+    on = run_ranks("weight_cache", cache="1")
+    off = run_ranks("weight_cache", cache="0")
+    for a, b in zip(on, off):
+        assert a["losses"] == b["losses"]
+        assert a["counts"] and set(a["counts"].values()) == {4}, a["counts"]
+        for name, n in b["counts"].items():
+            # 3 steps x 2 micro-batches + the evaluation forward, + block 1's recomputation in each of 6 backwards
+            assert n == (13 if name.startswith("blocks.1.") else 7), (name, n)
+        assert any("once per optimizer step" in note for note in a["notes"])
+        assert any("every forward (DS_NVFP4_WEIGHT_CACHE=0)" in note for note in b["notes"])

@@ -438,6 +438,24 @@ def scenario_plain_deepspeed(rank: int, p: dict) -> dict:
     return out
 
 
+def scenario_weight_cache(rank: int, p: dict) -> dict:
+    """ZeRO-2, gradient accumulation 2, block 1 activation-checkpointed, an evaluation forward after the last step:
+    per FP4 layer, how many times its weight was quantized, and the losses (cache on or off: same codes)."""
+    import os
+
+    from ds_nvfp4.nn import NVFP4Linear
+
+    os.environ["DS_NVFP4_WEIGHT_CACHE"] = p["cache"]
+    engine = make_engine(config(preset="nvfp4_zero2.json", gas=2))
+    losses = train(engine, range(3), rank)
+    engine.eval()
+    with torch.no_grad():
+        losses.append(float(engine(*batch(99, rank))))
+    engine.train()
+    counts = {n: m.weight_quantizations for n, m in engine.module.named_modules() if isinstance(m, NVFP4Linear)}
+    return {"losses": losses, "counts": counts, "notes": engine.ds_nvfp4.conversion.notes}
+
+
 def main() -> None:
     name, out, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     import deepspeed
