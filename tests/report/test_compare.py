@@ -51,6 +51,7 @@ def test_pass(tmp_path: Path) -> None:
     rep = json.loads((b / "report.json").read_text())
     assert rep["verdict"] == "pass" and abs(rep["criteria"][0]["value"] - 0.002) < 1e-9
     assert rep["ratios"]["tokens_per_s"] == 0.5 and rep["ratios"]["weight_bytes_per_rank"] == 0.3
+    assert "tokens/s 0.50x, weight bytes per rank 0.300x" in r.stdout  # what `make demo` prints
     assert rep["criteria"][1]["verdict"] == "not measured"
     assert (b / "report.png").read_bytes()[:4] == b"\x89PNG"
     md = (b / "report.md").read_text()
