@@ -174,24 +174,13 @@ def block_values(data: torch.Tensor, scale: torch.Tensor, block: str, dtype: tor
     return out.reshape(m, k).to(dtype)
 
 
-def _encode_values_cpp(x: torch.Tensor, enc: torch.Tensor, scale: torch.Tensor, block: str, dtype: torch.dtype,
-                       want_codes: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The C++ twin of :func:`encode_values` (one pass over ``x``), or None where it does not apply."""
-    ext = _cpu_ext_for(x, dtype)
-    if ext is None or x.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    out = ext.encode_values(x, enc.contiguous(), scale.to(_F32).contiguous(), 1 if block == "1x16" else BLOCK_SIZE,
-                            dtype == torch.bfloat16, want_codes)
-    return (out[0], out[1]) if want_codes else (out[0], x.new_empty(0, dtype=torch.uint8))
-
-
-@compiled(native=_encode_values_cpp)
 def encode_values(x: torch.Tensor, enc: torch.Tensor, scale: torch.Tensor, block: str, dtype: torch.dtype,
                   want_codes: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize (nearest-even) and produce the GEMM operand: ``(values [M, K] dtype, codes [M, K/2] uint8)``.
 
     ``values`` are :func:`block_values` of the codes :func:`encode_nearest` gives for ``x`` (``codes`` is an empty
-    tensor unless ``want_codes``). The C++ twin does it in one pass without materialising the codes' unpacking.
+    tensor unless ``want_codes``). Eager only: the definition inside :func:`quantize_operand`, whose C++ twin does it
+    all in one call.
     """
     codes = encode_nearest.fn(x, enc, block)
     values = block_values.fn(codes, scale, block, dtype)
@@ -215,7 +204,7 @@ def quantize_operand(x: torch.Tensor, amax: torch.Tensor | None, block: str, dty
     """``(values [M, K] dtype, codes [M, K/2] uint8 or empty, scale e4m3 (bamax's shape), amax 0-dim)``: the
     composition block_amax -> scales -> encode_values, i.e. ``ds_nvfp4.quantize`` straight to GEMM operands."""
     used, scale, enc = scales.fn(block_amax.fn(x, block), amax)
-    values, codes = encode_values.fn(x, enc, scale, block, dtype, want_codes)
+    values, codes = encode_values(x, enc, scale, block, dtype, want_codes)
     return values, codes, scale, used
 
 
