@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The acceptance evidence of docs/results.md: BF16, the mission recipe and the paper recipe trained for the same
-# number of steps on the Shakespeare text (2 CPU ranks, ZeRO-3), each compared with BF16 by `ds-nvfp4 compare`.
-# Then the downstream check: each pretrained run fine-tuned on WordNet supersenses with the same seeds
-# (FINETUNE_STEPS=0 skips it; needs Debian's wordnet-base).
-#   MODEL=5m STEPS=2100 OUT=runs/evidence bash bench/evidence.sh
+# The acceptance evidence of docs/results.md: BF16 and every shipped NVFP4 preset (plus the ablations) trained for
+# the same number of steps on the Shakespeare text (2 CPU ranks), each compared with BF16 by `ds-nvfp4 compare`;
+# the deterministic downstream check (`ds-nvfp4 probe`) on BF16 and the default preset; optionally the seed-noisy
+# WordNet fine-tunes. Runs already finished (summary.json present) are skipped, so an interrupted script resumes.
+#   MODEL=5m STEPS=2100 OUT=runs/evidence_5m bash bench/evidence.sh
+#   MODEL=1m STEPS=2100 OUT=runs/evidence_1m RUNS="bf16 nvfp4_zero3" bash bench/evidence.sh
+#   python bench/gap_vs_size.py runs/evidence_1m/report_nvfp4_zero3 runs/evidence_5m/report_nvfp4_zero3 \
+#     --out docs/results_gap_vs_size.png --json docs/results_gap_vs_size.json
+# Wall times (this 2-core machine, 5m, 2100 steps): ~15-20 min per run; the whole default list ~2.5 h.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
@@ -11,33 +15,50 @@ MODEL=${MODEL:-5m}
 STEPS=${STEPS:-2100}
 OUT=${OUT:-runs/evidence_$MODEL}
 EVAL=${EVAL:-100}
+RUNS=${RUNS:-bf16 nvfp4_zero3 nvfp4_zero2 nvfp4_zero3_offload nvfp4_full_zero3 all_blocks all_blocks_late15}
+PROBE_RUNS=${PROBE_RUNS:-bf16 nvfp4_zero3}
+FINETUNE_STEPS=${FINETUNE_STEPS:-0}   # 400 with SEEDS="0 1 2 3": ~4.5 min per seed and run
+SEEDS=${SEEDS:-0 1 2 3}
 export OMP_NUM_THREADS=1
+
+config_of() {
+  case $1 in
+    bf16) echo ds_configs/bf16_zero3.json ;;
+    all_blocks) echo ds_configs/nvfp4_zero3_all_blocks_ablation.json ;;
+    # the late switch as a fraction needs the run's length: this config is written for 2,100 steps
+    all_blocks_late15) echo bench/configs/nvfp4_zero3_all_blocks_late_bf16_2100.json ;;
+    *) echo "ds_configs/$1.json" ;;
+  esac
+}
+
 "$BIN/python" -m ds_nvfp4 data
 mkdir -p "$OUT"
-for run in bf16:bf16_zero3 mission:nvfp4_zero3 paper:nvfp4_full_zero3; do
-  name=${run%%:*}
+for name in $RUNS; do
   [ -f "$OUT/$name/summary.json" ] && { echo "== $name: done already ($OUT/$name)"; continue; }
+  if [ "$name" = all_blocks_late15 ] && [ "$STEPS" != 2100 ]; then echo "== $name: needs STEPS=2100, skipped"; continue; fi
   port=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   start=$(date +%s)
-  "$BIN/deepspeed" --num_gpus 2 --master_port "$port" launch/train.py --deepspeed_config "ds_configs/${run#*:}.json" \
+  "$BIN/deepspeed" --num_gpus 2 --master_port "$port" launch/train.py --deepspeed_config "$(config_of "$name")" \
     --model "$MODEL" --steps "$STEPS" --eval-interval "$EVAL" --eval-batches 32 --ckpt-interval "$STEPS" \
     --out "$OUT/$name" > "$OUT/$name.log" 2>&1
   echo "$name $(( $(date +%s) - start )) s" | tee -a "$OUT/wall_times.txt"
 done
-FINETUNE_STEPS=${FINETUNE_STEPS:-400}
-SEEDS=${SEEDS:-0 1 2 3}
+export OMP_NUM_THREADS=${EVAL_THREADS:-2}  # one process: use both cores
+for name in $PROBE_RUNS; do
+  [ -f "$OUT/$name/probe.json" ] && { echo "== $name: probed already"; continue; }
+  "$BIN/python" -m ds_nvfp4 probe "$OUT/$name" | tee -a "$OUT/wall_times.txt"
+done
 if [ "$FINETUNE_STEPS" -gt 0 ]; then
-  export OMP_NUM_THREADS=${FINETUNE_THREADS:-2}  # one process: use both cores
-  for name in bf16 mission paper; do
+  for name in $PROBE_RUNS; do
     [ -f "$OUT/$name/finetune.json" ] && { echo "== $name: fine-tuned already"; continue; }
     start=$(date +%s)
     # shellcheck disable=SC2086
     "$BIN/python" -m ds_nvfp4 finetune "$OUT/$name" --task wordnet --seeds $SEEDS --steps "$FINETUNE_STEPS" \
       > "$OUT/$name.finetune.log" 2>&1
-    tail -n 1 "$OUT/$name.finetune.log"
     echo "$name finetune $(( $(date +%s) - start )) s" | tee -a "$OUT/wall_times.txt"
   done
 fi
-for name in mission paper; do
+for name in $RUNS; do
+  [ "$name" = bf16 ] || [ ! -f "$OUT/$name/summary.json" ] && continue
   "$BIN/python" -m ds_nvfp4 compare "$OUT/bf16" "$OUT/$name" --out "$OUT/report_$name" || true
 done

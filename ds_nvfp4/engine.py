@@ -25,6 +25,7 @@ from .export import CHECKPOINT_META
 from .kernels import Selection, select
 from .nn import ConversionReport, NonFiniteError, NVFP4Linear, StatsCollector, convert_model, nonfinite_layers
 from .nn.linear import invalidate_weight_caches
+from .schedule import SchedulePlan, ScheduleState, apply_phase
 from .zero.shm import release_shm_workspace
 
 log = logging.getLogger("ds_nvfp4")
@@ -41,6 +42,13 @@ class NVFP4State:
     stats: StatsCollector | None = None
     skipped_steps: int = 0         # optimizer steps skipped for non-finite gradients (precision.nonfinite)
     consecutive_skips: int = 0
+    schedule: ScheduleState | None = None   # precision.schedule: the current phase and its transitions
+
+    def fp4_gemm_share(self, steps: int) -> float:
+        """Fraction of the Linear GEMM FLOPs of optimizer steps 1..``steps`` that run in FP4 (schedule included)."""
+        layers = self.conversion.layers
+        return self.schedule.plan.fp4_share(steps, sum(d.params for d in layers if d.fp4),
+                                            sum(d.params for d in layers))
 
 
 def _resolve_config(bound: inspect.BoundArguments) -> tuple[str, Any]:
@@ -135,6 +143,7 @@ def initialize(*args, **kwargs):
     _guard_nonfinite(engine, state)
     _describe_checkpoints(engine, state)
     _cache_weights(engine, state, stage)
+    _run_schedule(engine, state, SchedulePlan.from_config(precision, ds_config))
     if _is_rank0():
         report = state.store.report() if state.store is not None else None
         announce(summary_line(state, report) + "\n" + conversion.table()
@@ -282,6 +291,45 @@ def _cache_weights(engine, state: NVFP4State, stage: int) -> None:
     engine.load_checkpoint = load_checkpoint
 
 
+def _run_schedule(engine, state: NVFP4State, plan: SchedulePlan) -> None:
+    """``precision.schedule``: put the engine in the phase of its next optimizer step now, after every optimizer step
+    and after a checkpoint load (the phase depends on the step number only, so a resumed run matches). With a
+    DeepSpeed monitor, ``Train/Precision/fp4_forward`` and ``fp4_backward`` (1/0, at the step number) record what
+    each step ran."""
+    state.schedule = sched = ScheduleState(plan)
+
+    def to_next_step() -> None:
+        if apply_phase(engine, sched, engine.global_steps + 1) and plan.active and _is_rank0():
+            announce(f"ds_nvfp4: precision.schedule: from step {engine.global_steps + 1}, "
+                     f"{sched.current.describe()}" + ("" if sched.current.packed or state.store is None
+                                                      else " (weights stored BF16)"))
+
+    to_next_step()
+    if plan.active:
+        state.conversion.notes.append("precision.schedule: " + "; ".join(plan.describe()))
+    original_step, original_load = engine.step, engine.load_checkpoint
+
+    def step(*args, **kwargs):
+        ran = sched.current
+        boundary = engine.is_gradient_accumulation_boundary()
+        out = original_step(*args, **kwargs)
+        if boundary:
+            if plan.active and engine.monitor.enabled:
+                engine.monitor.write_events([("Train/Precision/fp4_forward", float(ran.forward_fp4),
+                                              engine.global_steps),
+                                             ("Train/Precision/fp4_backward", float(ran.backward_fp4),
+                                              engine.global_steps)])
+            to_next_step()
+        return out
+
+    def load_checkpoint(*args, **kwargs):
+        out = original_load(*args, **kwargs)
+        to_next_step()
+        return out
+
+    engine.step, engine.load_checkpoint = step, load_checkpoint
+
+
 def _describe_checkpoints(engine, state: NVFP4State) -> None:
     """Make checkpoints self-describing and crash-safe.
 
@@ -298,6 +346,8 @@ def _describe_checkpoints(engine, state: NVFP4State) -> None:
 
     def save_checkpoint(save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
         input_amax = _agreed_input_amax(engine.module)  # a collective: every rank saves
+        real_tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+        _save_rng(os.path.join(str(save_dir), real_tag))  # before DeepSpeed's closing barrier: covered by `latest`
         checkpoint_engine = getattr(engine, "checkpoint_engine", None)
         # a decoupled engine commits later, asynchronously, and writes ``latest`` then: DeepSpeed's own rule
         decoupled = checkpoint_engine is not None and checkpoint_engine.is_decoupled()
@@ -305,7 +355,6 @@ def _describe_checkpoints(engine, state: NVFP4State) -> None:
                       save_latest=save_latest and decoupled, exclude_frozen_parameters=exclude_frozen_parameters)
         # DeepSpeed ends with dist.barrier(): past this line every rank's files are complete
         if _is_rank0():
-            real_tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
             meta = {"precision": state.precision.model_dump(), "conversion": state.conversion.to_dict(),
                     "input_amax": input_amax, "packed": state.store is not None,
                     # converted weights whose partitions stay BF16: their forward quantizes the BF16 copy
@@ -316,7 +365,53 @@ def _describe_checkpoints(engine, state: NVFP4State) -> None:
                 _write_atomically(os.path.join(str(save_dir), "latest"), real_tag)
         return ok
 
-    engine.save_checkpoint = save_checkpoint
+    original_load = engine.load_checkpoint
+
+    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        out = original_load(load_dir, tag, *args, **kwargs)
+        if out[0] is not None:
+            if tag is None:
+                with open(os.path.join(str(load_dir), "latest")) as fh:
+                    tag = fh.read().strip()
+            _load_rng(os.path.join(str(load_dir), str(tag)))
+        return out
+
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
+
+
+#: each rank's random-number state in a checkpoint: stochastic rounding (the paper recipe) draws from torch's
+#: generators, so a resumed run repeats the uninterrupted one bit for bit only if they continue where they were
+RNG_FILE = "ds_nvfp4_rng_rank{rank}.pt"
+
+
+def _save_rng(tag_dir: str) -> None:
+    import torch
+
+    state = {"cpu": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None}
+    os.makedirs(tag_dir, exist_ok=True)
+    path = os.path.join(tag_dir, RNG_FILE.format(rank=int(os.environ.get("RANK", "0"))))
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _load_rng(tag_dir: str) -> None:
+    """Restore this rank's generators; a checkpoint from another number of ranks (or an older one) has no file for
+    this rank: then the generators continue from this process's seed, and the run says so."""
+    import torch
+
+    path = os.path.join(tag_dir, RNG_FILE.format(rank=int(os.environ.get("RANK", "0"))))
+    if not os.path.exists(path):
+        if _is_rank0():
+            log.warning("ds_nvfp4: %s has no random-number state for this rank (saved with another number of ranks "
+                        "or by an older ds_nvfp4): stochastic rounding continues from this process's seed, so the "
+                        "resumed run is not bit-identical to an uninterrupted one", tag_dir)
+        return
+    state = torch.load(path, weights_only=True)
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _write_atomically(path: str, text: str) -> None:

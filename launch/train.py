@@ -226,6 +226,7 @@ def main() -> None:
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         loss_sum = 0.0
+        phase = state.schedule.current.name if state is not None and state.schedule.plan.active else None
         for micro_step in range(gas):
             x, y = get_batch(train_data, args.seed, step * gas + micro_step, rank, micro, args.seq)
             logits = engine(x.to(engine.device))
@@ -240,7 +241,7 @@ def main() -> None:
         my_losses.append(float(mean_loss) / world)
         record = {"step": step + 1, "loss": my_losses[-1], "lr": scheduler.get_last_lr()[0],
                   "grad_norm": float(engine.get_global_grad_norm() or 0.0), "step_time": step_time,
-                  "tokens_per_s": tokens_per_step / step_time}
+                  "tokens_per_s": tokens_per_step / step_time, **({"phase": phase} if phase else {})}
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
             record.update(evaluate(engine, val_data, args.eval_batches, micro, args.seq, rank, world))
         if engine.monitor.enabled and rank == 0:  # the precision statistics are written by ds_nvfp4 itself
@@ -271,6 +272,9 @@ def main() -> None:
         summary = {"steps": args.steps, "final": rows[-1], "peak_rss_bytes_per_rank": peak, "ranks": ranks,
                    "tokens_per_s_median": float(np.median(timed)), "params": n_params,
                    "weight_bytes_per_rank": _weight_bytes(all_storage, engine)}
+        if state is not None:  # which GEMMs ran in FP4 (precision.schedule's phases and their FLOP share)
+            summary["precision_schedule"] = state.schedule.to_dict()
+            summary["fp4_gemm_share"] = state.fp4_gemm_share(args.steps)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"{args.out}: final val loss {rows[-1].get('val_loss', float('nan')):.4f} nats/byte, "
               f"{summary['tokens_per_s_median']:.0f} tokens/s", flush=True)

@@ -14,7 +14,8 @@ import sys
 from .. import __version__
 
 #: subcommand module names, in the order ``--help`` lists them
-SUBCOMMANDS = ("env", "validate", "explain", "schema", "compare", "finetune", "export", "data", "quantize_demo")
+SUBCOMMANDS = ("env", "validate", "explain", "schema", "compare", "finetune", "probe", "export", "data",
+               "quantize_demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

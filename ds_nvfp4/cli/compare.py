@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         gap = "-" if c.value is None else (f"{c.value:+.3%}" if c.unit == "relative" else f"{c.value:+.2f} {c.unit}")
         ci = "" if c.ci is None else (f" CI [{c.ci[0]:+.3%}, {c.ci[1]:+.3%}]" if c.unit == "relative"
                                       else f" CI [{c.ci[0]:+.2f}, {c.ci[1]:+.2f}]")
-        print(f"{c.name}: {gap}{ci} -> {c.verdict}")
+        print(f"{c.name}: {gap}{ci} -> {c.verdict}" + ("" if c.counts else " (supporting evidence)"))
     r = rep.ratios
     print(f"candidate vs baseline (same machine; speed is comparable only when the two runs did not overlap with "
           f"other work): tokens/s {r['tokens_per_s']:.2f}x, weight bytes per rank {r['weight_bytes_per_rank']:.3f}x, "

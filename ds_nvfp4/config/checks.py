@@ -87,8 +87,23 @@ def _default_at(loc: tuple) -> str:
     return json.dumps(node)
 
 
+def _union_field(loc: tuple) -> tuple | None:
+    """``loc`` of an error inside one member of a union-typed field (pydantic appends the member's tag, e.g.
+    ``("schedule", "bf16_from", "int")``): the field's own loc, else None."""
+    if len(loc) < 2 or _model_at(loc) is not None:
+        return None
+    holder = _model_at(loc[:-1])
+    return loc[:-1] if holder is not None and str(loc[-2]) in holder.model_fields else None
+
+
 def _pydantic_problem(err: dict) -> Problem:
     loc = tuple(err["loc"])
+    field = _union_field(loc)
+    if field is not None:  # one problem for the field, not one per member of its type
+        kinds = {"int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean"}
+        members = typing.get_args(_model_at(field).model_fields[str(field[-1])].annotation)
+        want = " or ".join(kinds.get(getattr(m, "__name__", ""), "null") for m in members)
+        return Problem(_json_path(field), f"expected {want}, got {_show(err.get('input'))}")
     path = _json_path(loc)
     kind = err["type"]
     got = err.get("input")
@@ -131,7 +146,8 @@ def validate_section(section: Any) -> tuple[PrecisionConfig | None, list[Problem
     try:
         model = PrecisionConfig.model_validate(section)
     except ValidationError as exc:
-        problems += [q for q in map(_pydantic_problem, exc.errors()) if q.path not in autos]
+        found = [q for q in map(_pydantic_problem, exc.errors()) if q.path not in autos]
+        problems += list(dict.fromkeys(found))  # a union field's members report one problem, once
         model = None
     return (None, problems) if problems else (model, [])
 
@@ -221,12 +237,62 @@ def cross_check(ds: dict, pc: PrecisionConfig) -> list[Problem]:
         out.append(Problem("bf16.check_grad_overflow", "is false, so DeepSpeed applies steps whose gradients hold "
                                                        "NaN/Inf and precision.nonfinite cannot stop them before they "
                                                        "reach the FP32 masters; remove it (default true)", ("true",)))
+    out += _schedule_problems(ds, pc)
     if pc.monitor.enabled and not any(_get(ds, f"{m}.enabled", False) for m in ("tensorboard", "csv_monitor",
                                                                                    "wandb", "comet")):
         out.append(Problem("precision.monitor.enabled", "no DeepSpeed monitor (tensorboard, csv_monitor, wandb, comet) "
                                                         "is enabled, so the statistics are only available from Python",
                            severity="warning"))
     return out
+
+
+def _schedule_problems(ds: dict, pc: PrecisionConfig) -> list[Problem]:
+    """``precision.schedule``: a switch step that exists, a total for fractions, a GEMM that is FP4 to switch."""
+    sc, out = pc.schedule, []
+    at = sc.bf16_from
+    if isinstance(at, float) and not 0.0 < at < 1.0:
+        out.append(Problem("precision.schedule.bf16_from", f"{at!r} is a fraction of total_steps, so it must lie "
+                                                            "strictly between 0 and 1 (or give a step number, an "
+                                                            "integer >= 1)", ("an integer >= 1", "a number in (0, 1)",
+                                                                              "null")))
+    elif isinstance(at, int) and at < 1:
+        out.append(Problem("precision.schedule.bf16_from", f"{at!r}: optimizer steps are counted from 1",
+                           ("an integer >= 1", "a number in (0, 1)", "null")))
+    elif isinstance(at, float) and schedule_total_steps(ds, pc) is None:
+        out.append(Problem("precision.schedule.total_steps", f"bf16_from {at!r} is a fraction of the run, but the "
+                                                             "run's length is unknown: set precision.schedule."
+                                                             "total_steps, a DeepSpeed scheduler with params."
+                                                             "total_num_steps, or give bf16_from as a step number"))
+    if at is not None and sc.bf16_gemms == "backward" and pc.backward.gemm == "bf16":
+        out.append(Problem("precision.schedule.bf16_gemms", '"backward" switches nothing: precision.backward.gemm is '
+                                                            '"bf16" (Dgrad and Wgrad already run in BF16); use '
+                                                            '"forward" or "all"', ('"forward"', '"all"')))
+    first = first_late_bf16_step(ds, pc)
+    if first is not None and first <= sc.bf16_warmup_steps + 1:
+        out.append(Problem("precision.schedule.bf16_from", f"the late switch starts at step {first}, within or right "
+                                                            f"after the {sc.bf16_warmup_steps} BF16 warm-up steps: no "
+                                                            "step would run in FP4"))
+    return out
+
+
+def schedule_total_steps(ds: dict, pc: PrecisionConfig) -> int | None:
+    """The run's optimizer steps for a fractional switch: the schedule's own, else DeepSpeed's scheduler's."""
+    if pc.schedule.total_steps is not None:
+        return pc.schedule.total_steps
+    total = _get(ds, "scheduler.params.total_num_steps")
+    return total if isinstance(total, int) and not isinstance(total, bool) and total >= 1 else None
+
+
+def first_late_bf16_step(ds: dict, pc: PrecisionConfig) -> int | None:
+    """The first optimizer step (from 1) of the late BF16 switch, or None. A fraction ``f`` of ``T`` steps runs
+    steps ``floor(f T) + 1 .. T`` in BF16 (0.85 of 2,100: steps 1,786-2,100, the last 15%)."""
+    at = pc.schedule.bf16_from
+    if at is None or isinstance(at, bool):
+        return None
+    if isinstance(at, int):
+        return at if at >= 1 else None
+    total = schedule_total_steps(ds, pc)
+    return int(at * total + 1e-9) + 1 if total is not None and 0.0 < at < 1.0 else None
 
 
 #: DeepSpeed ZeRO-3 features that cannot be combined with ``weights.storage: "nvfp4"``, and why

@@ -66,6 +66,24 @@ class NonFiniteConfig(StrictModel):
     max_consecutive_skips: int = Field(8, ge=0, description="skip: more skipped steps in a row than this raise")
 
 
+class ScheduleConfig(StrictModel):
+    """When the FP4 GEMMs run (optimizer steps counted from 1, as DeepSpeed's ``global_steps`` after the step)."""
+
+    bf16_warmup_steps: int = Field(
+        0, ge=0, description="the first N optimizer steps run every converted layer in BF16 (BF16 GEMMs and, with "
+                             "packed storage, BF16 weight partitions); FP4 from step N+1 on")
+    bf16_from: int | float | None = Field(
+        None, description="the late switch: the first optimizer step (an integer >= 1) from which the GEMMs named "
+                          "in bf16_gemms run in BF16, or a fraction of total_steps (a number in (0, 1): 0.85 runs "
+                          "the last 15% in BF16); null: no switch")
+    bf16_gemms: Literal["forward", "backward", "all"] = Field(
+        "forward", description="which FP4 GEMMs the late switch turns to BF16: forward (Fprop, the paper's switch; "
+                               "with BF16 weights), backward (Dgrad and Wgrad; backward.gemm nvfp4 only) or all")
+    total_steps: int | None = Field(
+        None, ge=1, description="the run's number of optimizer steps (needed when bf16_from is a fraction; null "
+                                "takes the DeepSpeed scheduler's params.total_num_steps)")
+
+
 class PrecisionConfig(StrictModel):
     """The whole ``"precision"`` section. ``PrecisionConfig()`` gives the documented defaults."""
 
@@ -80,6 +98,7 @@ class PrecisionConfig(StrictModel):
         None, description="GEMM backend; null picks the best available and logs why")
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
 
 
 #: What to write instead of ``"auto"``, per key (the default is the fallback suggestion).

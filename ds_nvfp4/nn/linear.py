@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -24,6 +26,12 @@ def invalidate_weight_caches() -> None:
 #: Attribute the ZeRO store hangs on a weight parameter: the float32 amax agreed across data-parallel ranks,
 #: so the forward re-derives exactly the stored codes from the gathered BF16 weight.
 WEIGHT_AMAX_ATTR = "ds_nvfp4_amax"
+#: Attribute the ZeRO store sets on a weight while it is gathered with ``all_gather: "nvfp4"``: the full weight's
+#: NVFP4 codes ``((data_ptr, _version) of the weight then, (data [N, K/2] uint8, scale e4m3, amax float32 0-dim))``
+#: as they arrived. They are exactly what
+#: quantizing the gathered weight with its agreed amax gives (the exactness invariant of docs/zero.md), so the
+#: forward uses them instead of quantizing again. Removed when the weight is released.
+GATHERED_CODES_ATTR = "ds_nvfp4_gathered_codes"
 
 
 class NVFP4Linear(nn.Linear):
@@ -50,6 +58,10 @@ class NVFP4Linear(nn.Linear):
     cache_weight: bool
     #: how many times this layer quantized its weight (cache misses included; every forward without the cache)
     weight_quantizations: int
+    #: the recipe from the config; ``recipe`` differs from it while ``precision.schedule`` runs GEMMs in BF16
+    base_recipe: Recipe
+    #: every GEMM of this layer in BF16 (``nn.Linear``'s own forward and backward): set by :meth:`set_gemm_precision`
+    bf16_only: bool
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  recipe: Recipe | None = None) -> None:
@@ -57,7 +69,8 @@ class NVFP4Linear(nn.Linear):
         self._init_fp4(recipe or Recipe())
 
     def _init_fp4(self, recipe: Recipe) -> None:
-        self.recipe = recipe
+        self.recipe = self.base_recipe = recipe
+        self.bf16_only = False
         self.stats = LayerStats()
         self.fused_peers = ()
         self.input_amax = None
@@ -73,7 +86,19 @@ class NVFP4Linear(nn.Linear):
         linear._init_fp4(recipe)
         return linear  # type: ignore[return-value]
 
+    def set_gemm_precision(self, forward_fp4: bool, backward_fp4: bool) -> None:
+        """Which GEMMs run in FP4 from the next forward on (``precision.schedule``; the recipe's own choices are the
+        upper bound: a recipe with a BF16 backward stays BF16 there). No FP4 GEMM left: ``nn.Linear``'s forward."""
+        base = self.base_recipe
+        backward_fp4 = backward_fp4 and base.backward_gemm == "nvfp4"
+        self.bf16_only = not forward_fp4 and not backward_fp4
+        self.recipe = dataclasses.replace(base, forward_gemm="nvfp4" if forward_fp4 else "bf16",
+                                          backward_gemm="nvfp4" if backward_fp4 else "bf16")
+        self._weight_cache = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16_only:
+            return super().forward(x)
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         cached, key = None, None
@@ -84,6 +109,11 @@ class NVFP4Linear(nn.Linear):
             key = (_generation, w.data_ptr(), w._version, tuple(w.shape), w.dtype)
             if self._weight_cache is not None and self._weight_cache[0] == key:
                 cached = self._weight_cache[1]
+        gathered = getattr(self.weight, GATHERED_CODES_ATTR, None)
+        # not with RHT (it quantizes H(W), the codes are of W), nor after the gathered weight was changed in place
+        if cached is None and gathered is not None and not self.recipe.act_hadamard and \
+                gathered[0] == (self.weight.data_ptr(), self.weight._version):
+            cached = gathered[1]
         amax = None
         if cached is None:
             self.weight_quantizations += 1

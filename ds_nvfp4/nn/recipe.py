@@ -17,6 +17,8 @@ class Recipe:
         stochastic_rounding: SR of the gradient operands (backward_gemm == "nvfp4" only).
         backward_hadamard: RHT of both Wgrad operands along the token dim (backward_gemm == "nvfp4" only).
         kernel: the GEMM backend name (``kernels.select`` decides it once per run).
+        forward_gemm: "nvfp4", or "bf16" for Fprop in BF16 while the backward stays FP4 (``precision.schedule``'s
+            late switch of the paper's recipe; the weight is still quantized, for the FP4 Dgrad).
     """
 
     weight_block: str = "16x16"
@@ -25,16 +27,17 @@ class Recipe:
     stochastic_rounding: bool = True
     backward_hadamard: bool = True
     kernel: str = "emulated"
+    forward_gemm: str = "nvfp4"
 
     def encode(self) -> str:
         return "|".join([self.weight_block, str(int(self.act_hadamard)), self.backward_gemm,
-                         str(int(self.stochastic_rounding)), str(int(self.backward_hadamard)), self.kernel])
+                         str(int(self.stochastic_rounding)), str(int(self.backward_hadamard)), self.kernel, self.forward_gemm])
 
     @staticmethod
     @functools.cache
     def decode(text: str) -> Recipe:
-        wb, ah, bg, sr, bh, k = text.split("|")
-        return Recipe(wb, ah == "1", bg, sr == "1", bh == "1", k)
+        wb, ah, bg, sr, bh, k, fg = text.split("|")
+        return Recipe(wb, ah == "1", bg, sr == "1", bh == "1", k, fg)
 
     @classmethod
     def from_config(cls, precision, kernel: str) -> Recipe:

@@ -33,6 +33,8 @@ class Criterion:
     verdict: str                 # pass | fail | inconclusive | not measured
     unit: str = ""
     note: str = ""
+    #: whether the verdict counts in the report's verdict (False: shown as supporting evidence only)
+    counts: bool = True
 
 
 @dataclass
@@ -46,7 +48,7 @@ class Report:
 
     @property
     def verdict(self) -> str:
-        measured = [c.verdict for c in self.criteria if c.verdict != "not measured"]
+        measured = [c.verdict for c in self.criteria if c.verdict != "not measured" and c.counts]
         if "fail" in measured:
             return "fail"
         if "inconclusive" in measured or not measured:
@@ -118,13 +120,24 @@ def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01,
     ci = paired_bootstrap(la, lb, lambda x, y: (y.mean() - x.mean()) / x.mean())
     rep.criteria.append(Criterion("final validation-loss gap", float(gap), ci, loss_gap, _verdict(ci, loss_gap),
                                   "relative", f"step {last}, {len(la)} held-out batches, paired bootstrap 95% CI"))
-    rep.criteria.append(_downstream(base, cand, acc_gap))
+    probe = _probe(base, cand, acc_gap)
+    finetuned = _downstream(base, cand, acc_gap)
+    if probe.verdict != "not measured":  # deterministic: it decides; the seed-noisy fine-tunes support it
+        finetuned.counts = False
+        finetuned.note += "; supporting evidence only (the linear probe decides the downstream verdict)"
+        rep.criteria.append(probe)
+    rep.criteria.append(finetuned)
     rep.ratios = {
         "tokens_per_s": sb["tokens_per_s_median"] / sa["tokens_per_s_median"],
         "weight_bytes_per_rank": sb["weight_bytes_per_rank"] / sa["weight_bytes_per_rank"],
         "peak_rss_per_rank": max(sb["peak_rss_bytes_per_rank"]) / max(sa["peak_rss_bytes_per_rank"]),
     }
     rep.notes.append(f"candidate kernel: {cb.get('kernel')}; baseline kernel: {ca.get('kernel') or 'BF16 (none)'}")
+    if "fp4_gemm_share" in sb:
+        sched = sb.get("precision_schedule") or {}
+        moves = ", ".join(f"{t['phase']} from step {t['step']}" for t in sched.get("transitions", [])[1:])
+        rep.notes.append(f"candidate: {sb['fp4_gemm_share']:.1%} of the Linear GEMM FLOPs ran in FP4"
+                         + (f" (precision.schedule: {moves})" if moves else ""))
     if last < 1000:
         rep.notes.append("short run: early in training BF16 and NVFP4 curves coincide per step, so a small gap here "
                          "says little about late-training gaps; judge long runs (30M-100M models) on GPUs")
@@ -184,6 +197,30 @@ def _downstream(base: Path, cand: Path, threshold: float) -> Criterion:
     return Criterion("downstream accuracy gap", gap, ci, threshold, verdict, "points", note)
 
 
+def _probe(base: Path, cand: Path, threshold: float) -> Criterion:
+    """The linear probe's accuracy gap (``ds-nvfp4 probe`` on both runs): paired bootstrap over the examples."""
+    from ..probe import SETTINGS
+
+    pa, pb = base / "probe.json", cand / "probe.json"
+    name = "downstream accuracy gap (linear probe)"
+    if not (pa.exists() and pb.exists()):
+        return Criterion(name, None, None, threshold, "not measured", "points", "run `ds-nvfp4 probe RUN_DIR` on both "
+                                                                              "runs")
+    a, b = json.loads(pa.read_text()), json.loads(pb.read_text())
+    for key in SETTINGS:
+        if key != "features" and a.get(key) != b.get(key):
+            raise CompareError(f"probe results differ in {key} ({pa}: {a.get(key)!r}, {pb}: {b.get(key)!r}): probe "
+                               "both runs with the same command")
+    n = a["examples"]
+    ca, cb = unpack_correct(a["correct"], n)[None], unpack_correct(b["correct"], n)[None]
+    gap = float(100 * (ca.mean() - cb.mean()))
+    ci = two_level_bootstrap(ca, cb)  # one row: a paired bootstrap over examples only (the probe has no seeds)
+    disagree = float((ca != cb).mean())
+    return Criterion(name, gap, ci, threshold, _verdict(ci, threshold), "points",
+                     f"{a['task']}, {n} examples {a['folds']}-fold cross-fitted, paired bootstrap over examples, 95% "
+                     f"CI (baseline minus NVFP4); the probes disagree on {disagree:.1%} of the examples")
+
+
 def write(rep: Report, out_dir: str | Path) -> dict[str, Path]:
     """report.md, report.json and report.png (loss curves and the relative gap) in ``out_dir``."""
     out = Path(out_dir)
@@ -204,7 +241,7 @@ def write(rep: Report, out_dir: str | Path) -> dict[str, Path]:
         gap = fmt(c.value) if c.value is not None else "-"
         ci = f"[{fmt(c.ci[0])}, {fmt(c.ci[1])}]" if c.ci else "-"
         thr = f"{c.threshold:.1%}" if c.unit == "relative" else f"{c.threshold} {c.unit}"
-        lines.append(f"| {c.name} | {gap} | {ci} | <= {thr} | {c.verdict} |")
+        lines.append(f"| {c.name} | {gap} | {ci} | <= {thr} | {c.verdict}{'' if c.counts else ' (supporting)'} |")
     lines += ["", "| eval step | BF16 val loss | NVFP4 val loss | BF16 ppl | NVFP4 ppl | relative gap |",
               "|---|---|---|---|---|---|"]
     lines += [f"| {e['step']} | {e['baseline_val_loss']:.4f} | {e['candidate_val_loss']:.4f} | "

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..format import NVFP4Tensor
-from ..nn.linear import WEIGHT_AMAX_ATTR
+from ..nn.linear import GATHERED_CODES_ATTR, WEIGHT_AMAX_ATTR
 from ..nn.nonfinite import NonFiniteError
 from .collectives import agree_max
 from .partition import PartitionLayout, pack_partition, partition_layout, unpack_partition
@@ -155,6 +155,10 @@ class _PackedGatherHandle:
             full = NVFP4Tensor(data.to(q.device), scale.to(q.device), q.amax, torch.Size((rows, q.shape[1])), q.block)
             p = e.param
             p.data = full.dequantize(p.ds_tensor.dtype).reshape(-1)[: p.ds_numel].view(p.ds_shape).to(p.device)
+            k = p.ds_shape[-1]  # the codes in the weight's own [N, K] block layout (no padding: packable)
+            setattr(p, GATHERED_CODES_ATTR, ((p.data_ptr(), p._version),
+                                             (full.data.reshape(-1, k // 2).to(p.device),
+                                              full.scale.reshape(-1, k // 16).to(p.device), q.amax.to(p.device))))
             p.ds_status = self.status.AVAILABLE
         self.done = True
 
@@ -293,6 +297,26 @@ class NVFP4Store:
         self.compact.clear()
         self.packed = False
 
+    def unpack_to_bf16(self) -> None:
+        """Store every partition the DeepSpeed way, in BF16 from the FP32 masters (``precision.schedule``'s BF16
+        phases): DeepSpeed's optimizer then copies FP32 -> BF16 after each step as it does without ds_nvfp4."""
+        self.unpack_all()
+        for sid, group in enumerate(self.by_group):
+            if group:
+                self.opt.fp16_partitioned_groups_flat[sid].copy_(self.opt.fp32_partitioned_groups_flat[sid])
+        for e in self.entries.values():
+            if e.packable and hasattr(e.param, WEIGHT_AMAX_ATTR):
+                delattr(e.param, WEIGHT_AMAX_ATTR)  # a BF16 weight's forward derives its own amax
+
+    def refresh_persistent(self) -> None:
+        """ZeRO-3 keeps small (persistent) parameters gathered: re-gather the converted ones after their storage
+        changed, so every rank's forward sees the stored weight."""
+        persistent = [p for p in getattr(self.opt, "persistent_parameters", [])
+                      if self.entries.get(id(p)) is not None and self.entries[id(p)].packable]
+        if persistent:
+            persistent[0].partition(persistent)
+            persistent[0].all_gather(persistent)
+
     @contextlib.contextmanager
     def flat_layout(self):
         """Run DeepSpeed code that expects its flat BF16 buffers (checkpoint loading), then re-pack from FP32."""
@@ -378,6 +402,9 @@ class NVFP4Store:
 
         def partition(param_list=None, hierarchy: int = 0, has_been_updated: bool = False, free_data: bool = True):
             params = [p] if param_list is None else list(param_list)
+            for q in params:  # released: the gathered codes go with the gathered weight
+                if hasattr(q, GATHERED_CODES_ATTR):
+                    delattr(q, GATHERED_CODES_ATTR)
             if not has_been_updated or not store.packed:
                 return orig_partition(params, hierarchy=hierarchy, has_been_updated=has_been_updated,
                                       free_data=free_data)
@@ -471,11 +498,6 @@ def install(engine, names: dict[int, str], converted: set[int], block: str, all_
     opt._partition_all_parameters()
     store.pack_all()
     store.install_hooks()
-    # Persistent parameters (ZeRO-3 keeps small ones gathered) still hold their pre-packing BF16 values:
-    # re-gather them so every rank's forward sees the packed weight from the first step on.
-    persistent = [p for p in getattr(opt, "persistent_parameters", []) if store.entries.get(id(p)) is not None
-                  and store.entries[id(p)].packable]
-    if persistent:
-        persistent[0].partition(persistent)
-        persistent[0].all_gather(persistent)
+    # persistent parameters still hold their pre-packing BF16 values: the forward must see the packed weight
+    store.refresh_persistent()
     return store

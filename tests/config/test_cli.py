@@ -101,10 +101,16 @@ def test_schema_is_json_schema() -> None:
 @pytest.mark.parametrize("preset, needle", [("nvfp4_zero3.json", "Dgrad and Wgrad in BF16"),
                                             ("nvfp4_full_zero3.json", "Fprop, Dgrad and Wgrad"),
                                             ("nvfp4_zero2.json", "stored by DeepSpeed in BF16"),
-                                            ("bf16_zero3.json", "NVFP4 is disabled")])
+                                            ("bf16_zero3.json", "NVFP4 is disabled"),
+                                            ("nvfp4_zero3_all_blocks_ablation.json", "Every transformer block is FP4"),
+                                            ("../bench/configs/nvfp4_zero3_all_blocks_late_bf16_2100.json",
+                                             "steps 1-1785: fp4: FP4 Fprop; steps 1786 on: late: every converted "
+                                             "layer in BF16 (BF16 weights)")])
 def test_explain(preset: str, needle: str) -> None:
     r = cli("explain", str(PRESETS[0].parent / preset))
-    assert r.returncode == 0 and needle in r.stdout
+    assert r.returncode == 0 and needle in r.stdout, r.stdout
+    if preset == "nvfp4_zero3.json":
+        assert "Every transformer block" not in r.stdout
 
 
 def test_explain_invalid_is_exit_1(tmp_path: Path) -> None:

@@ -39,7 +39,52 @@ def test_defaults_are_the_contract() -> None:
                     "fuse": [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]]},
         "kernel": None, "monitor": {"enabled": False, "interval": 100},
         "nonfinite": {"action": "raise", "max_consecutive_skips": 8},
+        "schedule": {"bf16_warmup_steps": 0, "bf16_from": None, "bf16_gemms": "forward", "total_steps": None},
     }
+
+
+@pytest.mark.parametrize(
+    "schedule, extra, path, needle",
+    [
+        ({"bf16_from": 1.5, "total_steps": 100}, {}, "precision.schedule.bf16_from", "strictly between 0 and 1"),
+        ({"bf16_from": 0}, {}, "precision.schedule.bf16_from", "counted from 1"),
+        ({"bf16_from": 0.9}, {}, "precision.schedule.total_steps", "run's length is unknown"),
+        ({"bf16_from": 5, "bf16_warmup_steps": 4}, {}, "precision.schedule.bf16_from", "no step would run in FP4"),
+        ({"bf16_from": 0.9, "bf16_gemms": "backward", "total_steps": 100}, {}, "precision.schedule.bf16_gemms",
+         "switches nothing"),
+        ({"bf16_from": True}, {}, "precision.schedule.bf16_from", "expected an integer or a number or null, got true"),
+        ({"bf16_gemms": "wgrad"}, {}, "precision.schedule.bf16_gemms", '"wgrad"'),
+    ],
+)
+def test_schedule_rules(schedule: dict, extra: dict, path: str, needle: str) -> None:
+    probs = errors(cfg(schedule=schedule, **extra))
+    assert [p.path for p in probs] == [path] and needle in probs[0].message, probs
+
+
+def test_schedule_fraction_resolves_against_total_steps_or_deepspeeds_scheduler() -> None:
+    from ds_nvfp4.config.checks import first_late_bf16_step
+
+    d = cfg(schedule={"bf16_from": 0.85, "total_steps": 2100})
+    assert errors(d) == [] and first_late_bf16_step(d, load_config(d)[1]) == 1786  # the last 315 steps (15%)
+    d = cfg(schedule={"bf16_from": 0.29})
+    d["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": 100, "warmup_num_steps": 10}}
+    assert errors(d) == [] and first_late_bf16_step(d, load_config(d)[1]) == 30  # 0.29 * 100 is 28.999...: 29 steps
+    d = cfg(schedule={"bf16_from": 7, "bf16_warmup_steps": 3, "bf16_gemms": "backward"}, backward={"gemm": "nvfp4"})
+    assert errors(d) == [] and first_late_bf16_step(d, load_config(d)[1]) == 7
+
+
+def test_schedule_phases_and_fp4_share() -> None:
+    from ds_nvfp4.schedule import SchedulePlan
+
+    pc = load_config(cfg(schedule={"bf16_warmup_steps": 2, "bf16_from": 9}, backward={"gemm": "nvfp4"}))[1]
+    plan = SchedulePlan.from_config(pc, {})
+    got = [(plan.phase(s).name, plan.phase(s).forward_fp4, plan.phase(s).backward_fp4, plan.phase(s).packed)
+           for s in (1, 2, 3, 8, 9, 10)]
+    assert got == [("warmup", False, False, False)] * 2 + [("fp4", True, True, True)] * 2 + [
+        ("late", False, True, False)] * 2
+    # 10 steps: 2 warm-up (no FP4), 6 FP4 steps (3 GEMMs), 2 late steps (Dgrad+Wgrad): (18 + 4) / 30 of the FP4
+    # layers' FLOPs, which are 3/4 of all Linear FLOPs
+    assert plan.fp4_share(10, 3, 4) == pytest.approx(22 / 30 * 3 / 4)
 
 
 def test_absent_section_means_disabled() -> None:
@@ -211,6 +256,8 @@ def _values_from_schema(schema: dict, defs: dict) -> st.SearchStrategy:
         inner = (_values_from_schema(items, defs) if items.get("type") != "string"
                  else st.text(alphabet="abc.*_", min_size=1, max_size=6))
         return st.lists(inner, max_size=3)
+    if t == "number":  # fractions, including out-of-range ones
+        return st.floats(min_value=-0.5, max_value=1.5, allow_nan=False)
     if t == "null":
         return st.none()
     raise AssertionError(f"schema type not covered by the test: {schema}")

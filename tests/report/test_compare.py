@@ -159,3 +159,55 @@ def test_downstream_refuses_different_test_sets(tmp_path: Path) -> None:
     _write_per_example(b, base, test_sha256="other")
     r = run(str(a), str(b))
     assert r.returncode == 2 and "test_sha256" in r.stderr and "same command" in r.stderr
+
+
+def _write_probe(run_dir: Path, correct: np.ndarray, **over) -> None:
+    import torch
+
+    from ds_nvfp4.finetune import pack_correct
+
+    res = {"task": "wordnet", "examples": len(correct), "folds": 5, "seq": 64, "l2": 1e-3, "iterations": 100,
+           "examples_sha256": "s", "features": "f", "accuracy": float(correct.mean()),
+           "correct": pack_correct(torch.from_numpy(correct))}
+    res.update(over)
+    (run_dir / "probe.json").write_text(json.dumps(res))
+
+
+@pytest.mark.parametrize("lost, verdict, code", [(0.0, "pass", 0), (0.03, "fail", 1), (0.005, "inconclusive", 3)])
+def test_the_linear_probe_decides_the_downstream_verdict(tmp_path: Path, lost: float, verdict: str,
+                                                         code: int) -> None:
+    """With probe.json on both runs the probe's gap (paired bootstrap over examples) is the downstream criterion and
+    the seed-noisy fine-tunes are shown as supporting evidence (here inconclusive: 3 seeds) without holding back the
+    verdict. Candidate = baseline with 2% of answers flipped both ways and a fraction ``lost`` of correct ones
+    turned wrong."""
+    rng = np.random.default_rng(5)
+    n = 40000
+    base = rng.random(n) < 0.45
+    cand = base.copy()
+    flip = rng.random(n) < 0.02
+    cand[flip] = ~cand[flip]
+    cand[base & (rng.random(n) < lost / 0.45)] = False
+    a = make_run(tmp_path / "bf16", BASE)
+    b = make_run(tmp_path / "nvfp4", BASE)
+    _write_per_example(a, np.stack([base] * 3))
+    _write_per_example(b, np.stack([base] * 3), accuracy=[0.44, 0.45, 0.46])
+    _write_probe(a, base)
+    _write_probe(b, cand)
+    r = run(str(a), str(b))
+    report = json.loads((b / "report.json").read_text())
+    probe, fine = report["criteria"][1], report["criteria"][2]
+    assert probe["name"].endswith("(linear probe)") and fine["counts"] is False and probe["counts"] is True
+    true_gap = 100 * (base.mean() - cand.mean())
+    assert probe["ci"][0] <= true_gap <= probe["ci"][1], (probe, true_gap)
+    assert probe["verdict"] == verdict and fine["verdict"] == "inconclusive", report["criteria"]
+    assert r.returncode == code and "supporting evidence" in r.stdout, r.stdout
+
+
+def test_probes_of_different_settings_are_refused(tmp_path: Path) -> None:
+    base = np.random.default_rng(0).random(100) < 0.5
+    a = make_run(tmp_path / "bf16", BASE)
+    b = make_run(tmp_path / "nvfp4", BASE)
+    _write_probe(a, base)
+    _write_probe(b, base, l2=0.1)
+    r = run(str(a), str(b))
+    assert r.returncode == 2 and "probe results differ in l2" in r.stderr

@@ -83,11 +83,17 @@ def test_run_directory_and_resume(data: Path, tmp_path: Path) -> None:
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:]]
 
 
-def test_finetune_writes_per_seed_accuracies(data: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def pretrained(data: Path, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("pre")
+    train(data, run, "nvfp4_zero3.json", steps=4)
+    return run
+
+
+def test_finetune_writes_per_seed_accuracies(pretrained: Path) -> None:
     from ds_nvfp4.finetune import finetune, wordnet_examples
 
-    run = tmp_path / "pre"
-    train(data, run, "nvfp4_zero3.json", steps=4)
+    run = pretrained
     examples = wordnet_examples(ROOT / "tests" / "fixtures" / "wordnet")  # a 1/400 sample of Debian's wordnet-base
     assert len(examples[0]) > 100 and all(0 <= y < 45 for _, y in examples[0] + examples[1])
     res = finetune(run, "wordnet", seeds=(0, 1), steps=10, batch=16, data=examples, progress=False)
@@ -101,6 +107,20 @@ def test_finetune_writes_per_seed_accuracies(data: Path, tmp_path: Path) -> None
     assert res["test_examples"] == len(examples[1]) and len(res["correct"]) == 2
     for acc, bits in zip(res["accuracy"], res["correct"]):
         assert unpack_correct(bits, res["test_examples"]).mean() == pytest.approx(acc, abs=1e-12)
+
+
+def test_linear_probe_is_a_deterministic_function_of_the_checkpoint(pretrained: Path) -> None:
+    from ds_nvfp4.finetune import wordnet_examples
+    from ds_nvfp4.probe import probe
+    from ds_nvfp4.report.compare import unpack_correct
+
+    examples = wordnet_examples(ROOT / "tests" / "fixtures" / "wordnet")
+    a = probe(pretrained, examples=240, folds=4, iterations=30, data=examples, progress=False)
+    b = probe(pretrained, examples=240, folds=4, iterations=30, data=examples, progress=False)
+    assert a["correct"] == b["correct"] and a["examples_sha256"] == b["examples_sha256"]  # no seed, no noise
+    assert json.loads((pretrained / "probe.json").read_text()) == b and a["examples"] == 240
+    assert unpack_correct(a["correct"], 240).mean() == pytest.approx(a["accuracy"], abs=1e-12)
+    assert "5 blocks" in a["features"]  # the 1m model's 5 blocks, each pooled
 
 
 def test_finetune_learning_rate_schedule() -> None:

@@ -45,6 +45,12 @@ def test_nvfp4_all_gather_gives_the_same_bits(bf16_gather) -> None:
         assert all(v["equal"] for v in b["after"].values() if v["packed"])
         ratio = b["report"]["gathered_bytes"] / a["report"]["gathered_bytes"]
         assert 0.25 < ratio < 0.30, ratio
+        # the codes arrive as codes: layers stored packed reuse them (no quantization; same bits, asserted above),
+        # those stored BF16 (odd: a partition cuts its tiles) quantize their gathered weight as with bf16 gathers
+        packed = {n for n, v in b["after"].items() if v["packed"]}
+        assert packed and all(b["weight_quantizations"][n] == 0 for n in packed), b["weight_quantizations"]
+        assert all(a["weight_quantizations"][n] > 0 for n in a["weight_quantizations"])
+        assert all(b["weight_quantizations"][n] > 0 for n in b["weight_quantizations"] if n not in packed)
 
 
 def test_checkpoint_resume_is_exact(tmp_path) -> None:
@@ -255,3 +261,28 @@ def test_weight_is_quantized_once_per_optimizer_step() -> None:
             assert n == (13 if name.startswith("blocks.1.") else 7), (name, n)
         assert any("once per optimizer step" in note for note in a["notes"])
         assert any("every forward (DS_NVFP4_WEIGHT_CACHE=0)" in note for note in b["notes"])
+
+
+@pytest.mark.parametrize("preset,gemms", [("nvfp4_zero3.json", "forward"), ("nvfp4_full_zero3.json", "backward")])
+def test_precision_schedule_warmup_late_switch_and_resume(tmp_path, preset: str, gemms: str) -> None:
+    """precision.schedule under packed ZeRO-3: the BF16 warm-up is plain BF16 training (losses equal a BF16 engine's
+    bit for bit), storage is packed exactly from the masters only in the FP4 phase, the late switch turns the named
+    GEMMs BF16 (forward: BF16 weights too), and runs resumed from checkpoints on either side of a switch repeat the
+    uninterrupted run's losses exactly."""
+    res = run_ranks("schedule", dir=str(tmp_path / "ckpt"), gemms=gemms,
+                    config={"preset": preset, "csv_monitor": {"enabled": True, "output_path": str(tmp_path),
+                                                              "job_name": "job"}})
+    for r in res:
+        assert r["phases"] == ["warmup"] * 2 + ["fp4"] * 2 + ["late"] * 3
+        assert r["losses"][:2] == r["bf16"], (r["losses"][:2], r["bf16"])  # warm-up: BF16 training itself
+        late_packed = gemms == "backward"
+        assert [n > 0 for n in r["packed"]] == [False] * 2 + [True] * 2 + [late_packed] * 3
+        assert r["exact"][2:4] == [True, True]  # FP4 phase: the packed weights are the quantized masters
+        assert r["bf16_only"] == [True] * 2 + [False] * 2 + [gemms == "forward" and preset == "nvfp4_zero3.json"] * 3
+        for tag, rest in r["resumed"].items():
+            assert rest == r["losses"][int(tag):], (tag, rest, r["losses"])
+        assert [t["phase"] for t in r["schedule"]["transitions"]] == ["warmup", "fp4", "late"]
+        assert any("precision.schedule" in n for n in r["notes"])
+    fwd = [ln.split(",") for ln in (tmp_path / "job" / "Train_Precision_fp4_forward.csv").read_text().splitlines()[1:]]
+    assert [(int(s), float(v)) for s, v in fwd] == [(s, float(s in (3, 4) or (s >= 5 and gemms == "backward")))
+                                                    for s in range(1, 8)]

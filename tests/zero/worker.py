@@ -55,7 +55,7 @@ class Net(nn.Module):
 
 
 def config(**over) -> dict:
-    cfg = json.loads((ROOT / "ds_configs" / over.pop("preset", "nvfp4_zero3.json")).read_text())
+    cfg = json.loads((ROOT / "ds_configs" / over.pop("preset", "nvfp4_zero3_all_blocks_ablation.json")).read_text())
     cfg["train_micro_batch_size_per_gpu"] = 2
     cfg["gradient_accumulation_steps"] = over.pop("gas", 1)
     for k, v in over.items():
@@ -143,6 +143,7 @@ def exactness(engine) -> dict:
 
 def scenario_train(rank: int, p: dict) -> dict:
     import ds_nvfp4
+    from ds_nvfp4.nn import NVFP4Linear
 
     cfg = config(**p.get("config", {}))
     engine = make_engine(cfg)
@@ -153,7 +154,9 @@ def scenario_train(rank: int, p: dict) -> dict:
     rep = ds_nvfp4.storage_report(engine)
     shapes = {n: list(getattr(m.weight, "ds_shape", m.weight.shape)) for n, m in engine.module.named_modules()
               if n in grads}
+    quantized = {n: m.weight_quantizations for n, m in engine.module.named_modules() if isinstance(m, NVFP4Linear)}
     return {"losses": losses, "before": before, "after": after, "report": rep.to_dict() if rep else None,
+            "weight_quantizations": quantized,
             "grads": grads, "weight_shapes": shapes,
             "conversion": engine.ds_nvfp4.conversion.to_dict(), "kernel": engine.ds_nvfp4.selection.name}
 
@@ -454,6 +457,40 @@ def scenario_weight_cache(rank: int, p: dict) -> dict:
     engine.train()
     counts = {n: m.weight_quantizations for n, m in engine.module.named_modules() if isinstance(m, NVFP4Linear)}
     return {"losses": losses, "counts": counts, "notes": engine.ds_nvfp4.conversion.notes}
+
+
+def scenario_schedule(rank: int, p: dict) -> dict:
+    """precision.schedule on 7 steps: 1-2 BF16 warm-up, 3-4 FP4, 5-7 the late switch. Checkpoints at steps 2, 4 and
+    5 (either side of each switch); a fresh engine resumes from each and trains to step 7. Plus the first 2 steps of
+    a plain BF16 engine from the same initial weights."""
+    import ds_nvfp4
+
+    sched = {"bf16_warmup_steps": 2, "bf16_from": p.get("bf16_from", 5), "bf16_gemms": p.get("gemms", "forward")}
+    cfg = config(**{"precision.schedule": sched, **p.get("config", {})})
+    ckpt = p["dir"]
+    e1 = make_engine(copy.deepcopy(cfg))
+    phases, packed, bf16_only, losses, exact = [], [], [], [], []
+    for step in range(7):
+        store = e1.ds_nvfp4.store
+        phases.append(e1.ds_nvfp4.schedule.current.name)
+        packed.append(ds_nvfp4.storage_report(e1).packed_params if store is not None else None)
+        bf16_only.append(e1.module.blocks[1].fc1.bf16_only)
+        exact.append(all(v["equal"] for v in exactness(e1).values() if v["packed"]) if store and store.packed
+                     else None)
+        losses += train(e1, range(step, step + 1), rank)
+        if step + 1 in (2, 4, 5):
+            e1.save_checkpoint(ckpt, tag=f"step{step + 1}")
+    base = make_engine(config(preset="bf16_zero3.json"))
+    bf16 = train(base, range(2), rank)
+    resumed = {}
+    cfg.pop("csv_monitor", None)  # the monitor's rows are those of the uninterrupted run
+    for tag in (2, 4, 5):
+        e = make_engine(copy.deepcopy(cfg), seed=123)
+        e.load_checkpoint(ckpt, tag=f"step{tag}")
+        resumed[tag] = train(e, range(tag, 7), rank)
+    return {"phases": phases, "packed": packed, "bf16_only": bf16_only, "exact": exact, "losses": losses,
+            "bf16": bf16, "resumed": resumed, "schedule": e1.ds_nvfp4.schedule.to_dict(),
+            "share": e1.ds_nvfp4.fp4_gemm_share(7), "notes": e1.ds_nvfp4.conversion.notes}
 
 
 def main() -> None:

@@ -1,0 +1,78 @@
+"""The final validation-loss gap (NVFP4 vs BF16, with its 95% CI) against model size, from `ds-nvfp4 compare` reports.
+
+    python bench/gap_vs_size.py runs/evidence_1m/report_nvfp4_zero3 runs/evidence_5m/report_nvfp4_zero3 \
+        --out docs/results_gap_vs_size.png --json docs/results_gap_vs_size.json
+
+Each argument is a report directory written by ``ds-nvfp4 compare --out DIR`` (its report.json names the two runs;
+the parameter count comes from the candidate run's summary.json). Prints one table row per report, writes the
+plot and, with ``--json``, the points (so the figure can be redrawn without the run directories).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def points(report_dirs: list[str]) -> list[dict]:
+    out = []
+    for d in report_dirs:
+        rep = json.loads((Path(d) / "report.json").read_text())
+        loss = next(c for c in rep["criteria"] if c["unit"] == "relative")
+        summary = json.loads((Path(rep["candidate"]) / "summary.json").read_text())
+        cfg = json.loads((Path(rep["candidate"]) / "config.json").read_text())
+        out.append({"report": str(d), "params": summary["params"], "steps": summary["steps"],
+                    "tokens": summary["steps"] * cfg["args"]["seq"] * cfg["ds_config"]["train_micro_batch_size_per_gpu"]
+                    * cfg["world_size"] * cfg["ds_config"].get("gradient_accumulation_steps", 1),
+                    "gap": loss["value"], "ci": loss["ci"], "verdict": loss["verdict"],
+                    "candidate": rep["candidate"], "baseline": rep["baseline"]})
+    return sorted(out, key=lambda p: p["params"])
+
+
+def plot(pts: list[dict], path: Path, threshold: float = 0.01) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    x = [p["params"] / 1e6 for p in pts]
+    y = [100 * p["gap"] for p in pts]
+    err = [[100 * (p["gap"] - p["ci"][0]) for p in pts], [100 * (p["ci"][1] - p["gap"]) for p in pts]]
+    ax.errorbar(x, y, yerr=err, fmt="o-", capsize=5, color="tab:red", label="NVFP4 default preset vs BF16, 95% CI")
+    for xi, yi, p in zip(x, y, pts):
+        ax.annotate(f"{p['gap']:+.2%} ({p['verdict']})", (xi, yi), textcoords="offset points", xytext=(6, 6),
+                    fontsize=8)
+    ax.axhline(100 * threshold, color="gray", ls="--", label=f"acceptance threshold {threshold:.0%}")
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    ax.set(xlabel="parameters (millions, log scale)", ylabel="final validation-loss gap (%)",
+           title=f"Gap vs model size ({pts[0]['steps']:,} steps each, CPU, 2 ranks)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("reports", nargs="+", help="report directories of `ds-nvfp4 compare --out`")
+    ap.add_argument("--out", default="gap_vs_size.png")
+    ap.add_argument("--json", help="also write the points here")
+    args = ap.parse_args()
+    pts = points(args.reports)
+    print("| parameters | steps | tokens | final gap | 95% CI | verdict |")
+    print("|---|---|---|---|---|---|")
+    for p in pts:
+        print(f"| {p['params']:,} | {p['steps']:,} | {p['tokens']:,} | {p['gap']:+.3%} | "
+              f"[{p['ci'][0]:+.3%}, {p['ci'][1]:+.3%}] | {p['verdict']} |")
+    plot(pts, Path(args.out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(pts, indent=2) + "\n")
+    print(f"plot: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""``precision.schedule``: which GEMMs run in FP4 at which optimizer step, applied by the engine on step boundaries.
+
+Three phases (steps counted from 1, like DeepSpeed's ``global_steps`` after a step):
+
+* ``warmup`` (steps 1 .. ``bf16_warmup_steps``): every converted layer runs ``nn.Linear``'s BF16 forward and
+  backward; with packed ZeRO-3 storage the partitions are DeepSpeed's BF16 ones (copied from the FP32 masters).
+* ``fp4``: the recipe as configured; packed partitions re-derived from the FP32 masters at the transition.
+* ``late`` (from ``bf16_from`` on, to the end): the GEMMs named by ``bf16_gemms`` in BF16. When the forward turns
+  BF16 the weights do too (the paper's switch: BF16 GEMMs on BF16 weights, not on dequantized FP4 ones), so packed
+  storage goes back to DeepSpeed's BF16 partitions.
+
+The phase depends on the step number only, so a run resumed from a checkpoint on either side of a switch takes the
+same phase at the same step as the uninterrupted run (``engine.load_checkpoint`` re-applies it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import PrecisionConfig
+from .config.checks import first_late_bf16_step
+from .nn import NVFP4Linear
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What one optimizer step runs: FP4 Fprop, FP4 Dgrad/Wgrad (as far as the recipe has them), packed weights."""
+
+    name: str              # "warmup", "fp4" or "late"
+    forward_fp4: bool
+    backward_fp4: bool
+    packed: bool           # weight partitions stored NVFP4 (when the config stores them packed at all)
+
+    def describe(self) -> str:
+        gemms = [g for g, on in (("Fprop", self.forward_fp4), ("Dgrad/Wgrad", self.backward_fp4)) if on]
+        return f"{self.name}: " + (f"FP4 {' and '.join(gemms)}" if gemms else "every converted layer in BF16")
+
+
+@dataclass(frozen=True)
+class SchedulePlan:
+    """The phases of a run as a function of the step number (pure: no engine, no torch)."""
+
+    warmup_steps: int
+    first_late_step: int | None
+    late_gemms: str            # "forward", "backward" or "all"
+    recipe_backward_fp4: bool  # backward.gemm == "nvfp4"
+
+    @classmethod
+    def from_config(cls, precision: PrecisionConfig, ds_config: dict) -> SchedulePlan:
+        sc = precision.schedule
+        return cls(sc.bf16_warmup_steps, first_late_bf16_step(ds_config, precision), sc.bf16_gemms,
+                   precision.backward.gemm == "nvfp4")
+
+    @property
+    def active(self) -> bool:
+        return self.warmup_steps > 0 or self.first_late_step is not None
+
+    def phase(self, step: int) -> Phase:
+        """The phase of optimizer step ``step`` (from 1)."""
+        if step <= self.warmup_steps:
+            return Phase("warmup", False, False, False)
+        if self.first_late_step is not None and step >= self.first_late_step:
+            fwd = self.late_gemms == "backward"
+            bwd = self.recipe_backward_fp4 and self.late_gemms == "forward"
+            return Phase("late", fwd, bwd, fwd)
+        return Phase("fp4", True, self.recipe_backward_fp4, True)
+
+    def fp4_share(self, steps: int, fp4_weight_params: int, linear_weight_params: int) -> float:
+        """The fraction of all Linear GEMM FLOPs of ``steps`` optimizer steps that ran in FP4. A layer's three GEMMs
+        (Fprop, Dgrad, Wgrad) each cost ~``2 tokens in out`` FLOPs, so the FP4 share weighs each GEMM kind by the
+        converted layers' weight elements against every Linear's (kept BF16 layers and the LM head included)."""
+        if steps <= 0 or linear_weight_params <= 0:
+            return 0.0
+        fp4_gemms = sum(self.phase(s).forward_fp4 + 2 * self.phase(s).backward_fp4 for s in range(1, steps + 1))
+        return fp4_gemms * fp4_weight_params / (3 * steps * linear_weight_params)
+
+    def describe(self) -> list[str]:
+        out = []
+        if self.warmup_steps:
+            out.append(f"steps 1-{self.warmup_steps}: every converted layer in BF16 (BF16 weights)")
+        start = self.warmup_steps + 1
+        end = f"-{self.first_late_step - 1}" if self.first_late_step is not None else " on"
+        out.append(f"steps {start}{end}: {self.phase(start).describe()}")
+        if self.first_late_step is not None:
+            late = self.phase(self.first_late_step)
+            out.append(f"steps {self.first_late_step} on: {late.describe()}"
+                       + ("" if late.packed else " (BF16 weights)"))
+        return out
+
+
+@dataclass
+class ScheduleState:
+    """The schedule as the engine runs it: the current phase and every transition (step, phase name)."""
+
+    plan: SchedulePlan
+    current: Phase | None = None
+    transitions: list[tuple[int, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"warmup_steps": self.plan.warmup_steps, "first_late_step": self.plan.first_late_step,
+                "late_gemms": self.plan.late_gemms, "phase": self.current.name if self.current else None,
+                "transitions": [{"step": s, "phase": p} for s, p in self.transitions]}
+
+
+def apply_phase(engine, state: ScheduleState, step: int) -> bool:
+    """Put the engine in the phase of optimizer step ``step`` (layers, and packed storage when there is one).
+    Returns whether anything changed. Runs between steps: no parameter is gathered then."""
+    phase = state.plan.phase(step)
+    if phase == state.current:
+        return False
+    for m in engine.module.modules():
+        if isinstance(m, NVFP4Linear):
+            m.set_gemm_precision(phase.forward_fp4, phase.backward_fp4)
+    store = getattr(getattr(engine, "ds_nvfp4", None), "store", None)
+    if store is not None and store.packed != phase.packed:
+        if phase.packed:
+            store.pack_all()
+        else:
+            store.unpack_to_bf16()
+        store.refresh_persistent()
+    state.current = phase
+    state.transitions.append((step, phase.name))
+    return True
