@@ -111,7 +111,7 @@ def probe(run_dir: str | Path, task: str = "wordnet", examples: int = 40_000, fo
     labels = torch.tensor([y for _, y in chosen])
     classes = max(y for _, y in pool) + 1
     t0 = time.perf_counter()
-    gpt, config = load_pretrained(run)
+    gpt, _ = load_pretrained(run)
     feats = features(gpt, chosen, seq, progress=progress)
     t_feat = time.perf_counter() - t0
     correct = cross_fitted(feats, labels, classes, folds, l2, iterations)

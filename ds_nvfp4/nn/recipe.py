@@ -31,7 +31,8 @@ class Recipe:
 
     def encode(self) -> str:
         return "|".join([self.weight_block, str(int(self.act_hadamard)), self.backward_gemm,
-                         str(int(self.stochastic_rounding)), str(int(self.backward_hadamard)), self.kernel, self.forward_gemm])
+                         str(int(self.stochastic_rounding)), str(int(self.backward_hadamard)), self.kernel,
+                         self.forward_gemm])
 
     @staticmethod
     @functools.cache
