@@ -277,10 +277,17 @@ def _cache_weights(engine, state: NVFP4State, stage: int) -> None:
     for m in engine.module.modules():
         if isinstance(m, NVFP4Linear):
             m.cache_weight = enabled
-    state.conversion.notes.append(
-        "weight quantization: once per optimizer step, reused by the step's other forwards" if enabled else
-        "weight quantization: every forward (" + ("ZeRO-3 gathers weights per forward)" if stage >= 3
-                                                  else "DS_NVFP4_WEIGHT_CACHE=0)"))
+    if enabled:
+        note = "weight quantization: once per optimizer step, reused by the step's other forwards"
+    elif stage >= 3 and state.store is not None and state.precision.communication.all_gather == "nvfp4":
+        note = ("weight quantization: none for weights stored packed (the forward uses the NVFP4 codes as gathered, "
+                "all_gather \"nvfp4\"), every forward for the others")
+    elif stage >= 3:
+        note = "weight quantization: every forward (ZeRO-3 gathers weights per forward; all_gather \"nvfp4\" would " \
+               "hand the forward the stored codes instead)"
+    else:
+        note = "weight quantization: every forward (DS_NVFP4_WEIGHT_CACHE=0)"
+    state.conversion.notes.append(note)
     original_load = engine.load_checkpoint
 
     def load_checkpoint(*args, **kwargs):
