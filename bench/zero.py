@@ -143,12 +143,13 @@ def main() -> None:
     if args.worker:
         return worker(args)
     offload = {"zero_optimization.offload_optimizer": {"device": "cpu"}, "zero_force_ds_cpu_optimizer": False}
+    every_block = "nvfp4_zero3_all_blocks_ablation.json"  # storage at its widest: every block's weights packed
     jobs = {
         "BF16 ZeRO-3": ("bf16_zero3.json", {}),
-        "NVFP4, bf16 all-gather": ("nvfp4_zero3.json", {}),
-        "NVFP4, nvfp4 all-gather": ("nvfp4_zero3.json", {"precision.communication.all_gather": "nvfp4"}),
+        "NVFP4, bf16 all-gather": (every_block, {}),
+        "NVFP4, nvfp4 all-gather": (every_block, {"precision.communication.all_gather": "nvfp4"}),
         "BF16 ZeRO-3 + offload_optimizer": ("bf16_zero3.json", offload),
-        "NVFP4 + offload_optimizer": ("nvfp4_zero3.json", offload),
+        "NVFP4 + offload_optimizer": (every_block, offload),
     }
     res = {name: run_job(p, o, args)[0] for name, (p, o) in jobs.items()}
     base = res["BF16 ZeRO-3"]
