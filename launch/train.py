@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import ds_nvfp4
 
 # name: (layers, d_model, heads); ~1M (CI), 5M, 30M, 100M parameters with a 256-byte vocabulary
-PRESETS = {"1m": (5, 128, 2), "5m": (6, 256, 4), "30m": (10, 512, 8), "100m": (14, 768, 12)}
+PRESETS = {"1m": (5, 128, 2), "5m": (6, 256, 4), "20m": (8, 448, 7), "30m": (10, 512, 8), "100m": (14, 768, 12)}
 
 
 # ------------------------------------------------------------------------------------------------- model
