@@ -47,6 +47,11 @@ def plot(pts: list[dict], path: Path, threshold: float = 0.01) -> None:
     ax.axhline(100 * threshold, color="gray", ls="--", label=f"acceptance threshold {threshold:.0%}")
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain)
     ax.set(xlabel="parameters (millions, log scale)", ylabel="final validation-loss gap (%)",
            title=f"Gap vs model size ({pts[0]['steps']:,} steps each, CPU, 2 ranks)")
     ax.legend(fontsize=8)
