@@ -75,7 +75,11 @@ class ScheduleConfig(StrictModel):
     bf16_from: int | float | None = Field(
         None, description="the late switch: the first optimizer step (an integer >= 1) from which the GEMMs named "
                           "in bf16_gemms run in BF16, or a fraction of total_steps (a number in (0, 1): 0.85 runs "
-                          "the last 15% in BF16); null: no switch")
+                          "the last 15% in BF16); null: no switch",
+        # the ranges, for editors and `ds-nvfp4 schema` (config/checks.py enforces them with a message that says why)
+        json_schema_extra={"anyOf": [{"type": "integer", "minimum": 1},
+                                     {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+                                     {"type": "null"}]})
     bf16_gemms: Literal["forward", "backward", "all"] = Field(
         "forward", description="which FP4 GEMMs the late switch turns to BF16: forward (Fprop, the paper's switch; "
                                "with BF16 weights), backward (Dgrad and Wgrad; backward.gemm nvfp4 only) or all")

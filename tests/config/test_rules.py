@@ -256,8 +256,10 @@ def _values_from_schema(schema: dict, defs: dict) -> st.SearchStrategy:
         inner = (_values_from_schema(items, defs) if items.get("type") != "string"
                  else st.text(alphabet="abc.*_", min_size=1, max_size=6))
         return st.lists(inner, max_size=3)
-    if t == "number":  # fractions, including out-of-range ones
-        return st.floats(min_value=-0.5, max_value=1.5, allow_nan=False)
+    if t == "number":
+        return st.floats(min_value=schema.get("exclusiveMinimum", -1e6), max_value=schema.get("exclusiveMaximum", 1e6),
+                         exclude_min="exclusiveMinimum" in schema, exclude_max="exclusiveMaximum" in schema,
+                         allow_nan=False)
     if t == "null":
         return st.none()
     raise AssertionError(f"schema type not covered by the test: {schema}")
@@ -277,7 +279,9 @@ def test_anything_the_schema_allows_validates(section: dict) -> None:
 
 
 def _is_cross_check(p) -> bool:
-    return any(s in p.message for s in ("needs", "disagrees", "cannot be combined"))
+    return any(s in p.message for s in ("needs", "disagrees", "cannot be combined",
+                                        # precision.schedule: between its keys and DeepSpeed's scheduler
+                                        "run's length is unknown", "switches nothing", "no step would run in FP4"))
 
 
 HF_CONFIG = {
