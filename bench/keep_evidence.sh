@@ -11,13 +11,15 @@ for run in "$src"/*/; do
   if [ -f "$run/summary.json" ]; then
     mkdir -p "$dest/$name"
     for f in config.json probe.json finetune.json; do
-      [ -f "$run/$f" ] && cp "$run/$f" "$dest/$name/"
+      # absolute paths of the machine that ran it become repository-relative
+      [ -f "$run/$f" ] && sed -E 's#"/[^"]*/(runs|launch|data)/#"\1/#g' "$run/$f" > "$dest/$name/$f"
     done
     gzip -9 -n -c "$run/metrics.jsonl" > "$dest/$name/metrics.jsonl.gz"
     gzip -9 -n -c "$run/summary.json" > "$dest/$name/summary.json.gz"  # per-rank losses: large
   elif [ -f "$run/report.json" ]; then
     mkdir -p "$dest/$name"
-    cp "$run"/report.md "$run"/report.json "$run"/report.png "$dest/$name/"
+    cp "$run"/report.png "$dest/$name/"
+    for f in report.md report.json; do sed -E 's#(["`])/[^"`]*/(runs|launch|data)/#\1\2/#g' "$run/$f" > "$dest/$name/$f"; done
   fi
 done
 [ -f "$src/wall_times.txt" ] && cp "$src/wall_times.txt" "$dest/"
