@@ -391,13 +391,17 @@ def _describe_checkpoints(engine, state: NVFP4State) -> None:
 RNG_FILE = "ds_nvfp4_rng_rank{rank}.pt"
 
 
+def _rng_path(tag_dir: str) -> str:
+    return os.path.join(tag_dir, RNG_FILE.format(rank=int(os.environ.get("RANK", "0"))))
+
+
 def _save_rng(tag_dir: str) -> None:
     import torch
 
     state = {"cpu": torch.get_rng_state(),
              "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None}
     os.makedirs(tag_dir, exist_ok=True)
-    path = os.path.join(tag_dir, RNG_FILE.format(rank=int(os.environ.get("RANK", "0"))))
+    path = _rng_path(tag_dir)
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -408,7 +412,7 @@ def _load_rng(tag_dir: str) -> None:
     this rank: then the generators continue from this process's seed, and the run says so."""
     import torch
 
-    path = os.path.join(tag_dir, RNG_FILE.format(rank=int(os.environ.get("RANK", "0"))))
+    path = _rng_path(tag_dir)
     if not os.path.exists(path):
         if _is_rank0():
             log.warning("ds_nvfp4: %s has no random-number state for this rank (saved with another number of ranks "

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from .finetune import FinetuneError, _encode, examples_fingerprint, load_pretrained, pack_correct, wordnet_examples
 
 #: what probe.json records of its settings; ``compare`` pairs two probes only when these agree
-SETTINGS = ("task", "examples", "folds", "seq", "l2", "iterations", "examples_sha256", "features")
+SETTINGS = ("task", "examples", "folds", "seq", "l2", "iterations", "examples_sha256")
 
 
 @torch.inference_mode()

@@ -71,7 +71,8 @@ class SchedulePlan:
         converted layers' weight elements against every Linear's (kept BF16 layers and the LM head included)."""
         if steps <= 0 or linear_weight_params <= 0:
             return 0.0
-        fp4_gemms = sum(self.phase(s).forward_fp4 + 2 * self.phase(s).backward_fp4 for s in range(1, steps + 1))
+        phases = map(self.phase, range(1, steps + 1))
+        fp4_gemms = sum(p.forward_fp4 + 2 * p.backward_fp4 for p in phases)
         return fp4_gemms * fp4_weight_params / (3 * steps * linear_weight_params)
 
     def describe(self) -> list[str]:

@@ -208,7 +208,7 @@ def _probe(base: Path, cand: Path, threshold: float) -> Criterion:
                                                                               "runs")
     a, b = json.loads(pa.read_text()), json.loads(pb.read_text())
     for key in SETTINGS:
-        if key != "features" and a.get(key) != b.get(key):
+        if a.get(key) != b.get(key):
             raise CompareError(f"probe results differ in {key} ({pa}: {a.get(key)!r}, {pb}: {b.get(key)!r}): probe "
                                "both runs with the same command")
     n = a["examples"]
