@@ -4,10 +4,12 @@
 # the deterministic downstream check (`ds-nvfp4 probe`) on BF16 and the default preset; optionally the seed-noisy
 # WordNet fine-tunes. Runs already finished (summary.json present) are skipped, so an interrupted script resumes.
 #   MODEL=5m STEPS=2100 OUT=runs/evidence_5m bash bench/evidence.sh
-#   MODEL=1m STEPS=2100 OUT=runs/evidence_1m RUNS="bf16 nvfp4_zero3" bash bench/evidence.sh
-#   python bench/gap_vs_size.py runs/evidence_1m/report_nvfp4_zero3 runs/evidence_5m/report_nvfp4_zero3 \
+#   MODEL=1m STEPS=2100 OUT=runs/evidence_1m RUNS="bf16 nvfp4_zero3" PROBE_RUNS= bash bench/evidence.sh
+#   MODEL=10m STEPS=2100 OUT=runs/evidence_10m RUNS="bf16 nvfp4_zero3" PROBE_RUNS= bash bench/evidence.sh
+#   python bench/gap_vs_size.py runs/evidence_{1m,5m,10m}/report_nvfp4_zero3 \
 #     --out docs/results_gap_vs_size.png --json docs/results_gap_vs_size.json
-# Wall times (this 2-core machine, 5m, 2100 steps): ~15-20 min per run; the whole default list ~2.5 h.
+# Wall times (this 2-core machine, 2100 steps): 5m ~19 min BF16, ~29 min per NVFP4 preset (the whole default list
+# ~3 h); 10m ~40 min BF16, ~70 min NVFP4; each probe (all of WordNet) ~30 min at 5m.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}

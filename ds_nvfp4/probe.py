@@ -9,7 +9,8 @@ subset is drawn (same seed for every run): the probe accuracy is a function of t
 only by what they learned, and ``ds-nvfp4 compare`` bootstraps the gap over examples (one level, no seeds).
 
 Why: fine-tuning seeds of one checkpoint end ~2 points apart on WordNet, so a 0.5-point rule needs ~16 seeds per
-run (~70 min each here); the probe needs one pass (minutes) and its interval is set by the number of examples.
+run (~70 min each here); the probe needs one forward pass per example (cached in ``RUN_DIR/probe_features.pt``)
+and its interval is set by the number of examples: all 117,659 of WordNet give +-0.21 points at 5M.
 Result: ``RUN_DIR/probe.json`` (accuracy, per-example correctness packed as in ``finetune.json``, settings).
 """
 
@@ -89,35 +90,60 @@ def cross_fitted(feats: torch.Tensor, labels: torch.Tensor, classes: int, folds:
     return pred == labels
 
 
-def probe(run_dir: str | Path, task: str = "wordnet", examples: int = 40_000, folds: int = 5, seq: int = 64,
+def cached_features(run: Path, gpt_loader, chosen: list[tuple[bytes, int]], seq: int,
+                    progress: bool = True) -> torch.Tensor:
+    """:func:`features` of ``chosen``, kept in ``RUN_DIR/probe_features.pt`` so a second probe of the same run (other
+    folds, L2, repeats) skips the forward passes, the expensive part (~10 min per 100k examples for 5M parameters
+    on 2 cores). The cache is used only for the same examples (fingerprint), ``seq`` and checkpoint (``ckpt/latest``
+    tag and its modification time); anything else recomputes and replaces it."""
+    latest = run / "ckpt" / "latest"
+    key = {"examples_sha256": examples_fingerprint(chosen), "seq": seq,
+           "checkpoint": f"{latest.read_text().strip()}@{latest.stat().st_mtime_ns}"}
+    path = run / "probe_features.pt"
+    if path.exists():
+        saved = torch.load(path, map_location="cpu")
+        if saved.get("key") == key:
+            return saved["features"]
+    gpt, _ = gpt_loader(run)
+    feats = features(gpt, chosen, seq, progress=progress)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"key": key, "features": feats}, tmp)
+    tmp.replace(path)  # never a half-written cache
+    return feats
+
+
+def probe(run_dir: str | Path, task: str = "wordnet", examples: int | None = None, folds: int = 5, seq: int = 64,
           l2: float = 1e-3, iterations: int = 100, data: tuple[list, list] | None = None,
           progress: bool = True) -> dict:
     """Cross-fitted linear probe of ``run_dir``'s final checkpoint; writes and returns ``RUN_DIR/probe.json``.
 
-    ``examples``: a fixed random subset of the task's train+test examples (the same for every run; all when larger
-    than the task), split into ``folds`` folds by position in that subset.
+    ``examples``: a fixed random subset of the task's train+test examples (the same for every run; all of them
+    when None or larger than the task), split into ``folds`` folds by position in that subset. All of WordNet
+    (117,659) is what a 0.5-point verdict needs at a ~0.15-point gap (docs/results.md): the paired interval's
+    half-width is ~1.96 sqrt(disagreement / N).
     """
     if task != "wordnet":
         raise FinetuneError(f"--task {task!r}: the probe supports wordnet (45 classes, enough examples for a "
                             "0.5-point interval)")
-    if folds < 2 or examples < folds:
+    if folds < 2 or (examples is not None and examples < folds):
         raise FinetuneError(f"--folds {folds} --examples {examples}: need folds >= 2 and examples >= folds")
     run = Path(run_dir)
     train, test = data or wordnet_examples()
     pool = train + test
     gen = torch.Generator().manual_seed(1234)  # the same subset and order for every run
-    pick = torch.randperm(len(pool), generator=gen)[:examples].tolist()
+    pick = torch.randperm(len(pool), generator=gen)[:examples].tolist()  # [:None]: all
     chosen = [pool[i] for i in pick]
     labels = torch.tensor([y for _, y in chosen])
     classes = max(y for _, y in pool) + 1
     t0 = time.perf_counter()
-    gpt, _ = load_pretrained(run)
-    feats = features(gpt, chosen, seq, progress=progress)
+    feats = cached_features(run, load_pretrained, chosen, seq, progress)
+    blocks = json.loads((run / "config.json").read_text())["model"]["layers"]
     t_feat = time.perf_counter() - t0
     correct = cross_fitted(feats, labels, classes, folds, l2, iterations)
     result = {"task": task, "examples": len(chosen), "folds": folds, "seq": seq, "l2": l2, "iterations": iterations,
               "examples_sha256": examples_fingerprint(chosen),
-              "features": f"masked token mean after each of {len(gpt.blocks)} blocks and the final norm",
+              "features": f"masked token mean after each of {blocks} blocks and the final norm ({feats.shape[1]} "
+                          "per example)",
               "accuracy": int(correct.sum()) / len(chosen), "correct": pack_correct(correct),
               "seconds": {"features": round(t_feat, 1), "total": round(time.perf_counter() - t0, 1)},
               "method": "cross-fitted multinomial logistic regression on frozen FP32 features (deterministic)"}

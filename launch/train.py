@@ -31,8 +31,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import ds_nvfp4
 
-# name: (layers, d_model, heads); ~1M (CI), 5M, 30M, 100M parameters with a 256-byte vocabulary
-PRESETS = {"1m": (5, 128, 2), "5m": (6, 256, 4), "20m": (8, 448, 7), "30m": (10, 512, 8), "100m": (14, 768, 12)}
+# name: (layers, d_model, heads); ~1M (CI), 5M, 10M, 20M, 30M, 100M parameters with a 256-byte vocabulary
+PRESETS = {"1m": (5, 128, 2), "5m": (6, 256, 4), "10m": (8, 320, 5), "20m": (8, 448, 7), "30m": (10, 512, 8),
+           "100m": (14, 768, 12)}
 
 
 # ------------------------------------------------------------------------------------------------- model

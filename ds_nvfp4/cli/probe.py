@@ -12,8 +12,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                      "(deterministic, no seeds); writes RUN_DIR/probe.json for `compare`")
     p.add_argument("run_dir")
     p.add_argument("--task", choices=("wordnet",), default="wordnet")
-    p.add_argument("--examples", type=int, default=40_000,
-                   help="labelled examples, cross-fitted (the 95%% interval of a gap shrinks as 1/sqrt of this)")
+    p.add_argument("--examples", type=int, default=None,
+                   help="labelled examples, cross-fitted (default: all 117,659; the 95%% interval of a gap shrinks as "
+                        "1/sqrt of this: +-0.21 points with all of them at 5M, +-0.37 with 40,000)")
     p.add_argument("--folds", type=int, default=5)
     p.set_defaults(func=run)
 

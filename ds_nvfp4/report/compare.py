@@ -216,9 +216,23 @@ def _probe(base: Path, cand: Path, threshold: float) -> Criterion:
     gap = float(100 * (ca.mean() - cb.mean()))
     ci = two_level_bootstrap(ca, cb)  # one row: a paired bootstrap over examples only (the probe has no seeds)
     disagree = float((ca != cb).mean())
-    return Criterion(name, gap, ci, threshold, _verdict(ci, threshold), "points",
-                     f"{a['task']}, {n} examples {a['folds']}-fold cross-fitted, paired bootstrap over examples, 95% "
-                     f"CI (baseline minus NVFP4); the probes disagree on {disagree:.1%} of the examples")
+    verdict = _verdict(ci, threshold)
+    note = (f"{a['task']}, {n} examples {a['folds']}-fold cross-fitted, paired bootstrap over examples, 95% CI "
+            f"(baseline minus NVFP4); the probes disagree on {disagree:.1%} of the examples")
+    if verdict == "inconclusive":
+        note += f"; {examples_needed(gap, ci, threshold, n)}"
+    return Criterion(name, gap, ci, threshold, verdict, "points", note)
+
+
+def examples_needed(gap: float, ci: tuple[float, float], threshold: float, n: int) -> str:
+    """What an inconclusive paired interval would need: the half-width shrinks as 1/sqrt(examples), so deciding
+    ``gap`` against ``threshold`` takes ~``n (half-width / |threshold - gap|)^2`` examples at the same gap."""
+    half, room = (ci[1] - ci[0]) / 2, abs(threshold - gap)
+    if room < 1e-9:
+        return "the gap sits on the threshold: no number of examples decides it"
+    needed = math.ceil(n * (half / room) ** 2)
+    return (f"at this gap a verdict needs a half-width under {room:.2f} points, i.e. ~{needed:,} examples (now {n:,}, "
+            f"half-width {half:.2f})")
 
 
 def write(rep: Report, out_dir: str | Path) -> dict[str, Path]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -201,6 +202,11 @@ def test_the_linear_probe_decides_the_downstream_verdict(tmp_path: Path, lost: f
     assert probe["ci"][0] <= true_gap <= probe["ci"][1], (probe, true_gap)
     assert probe["verdict"] == verdict and fine["verdict"] == "inconclusive", report["criteria"]
     assert r.returncode == code and "supporting evidence" in r.stdout, r.stdout
+    if verdict == "inconclusive":  # says how many examples would decide it: n (half-width / room)^2
+        half, room = (probe["ci"][1] - probe["ci"][0]) / 2, abs(0.5 - probe["value"])
+        assert f"~{math.ceil(n * (half / room) ** 2):,} examples (now {n:,}" in probe["note"], probe["note"]
+    else:
+        assert "a verdict needs" not in probe["note"]
 
 
 def test_probes_of_different_settings_are_refused(tmp_path: Path) -> None:
