@@ -1,6 +1,7 @@
 """The final validation-loss gap (NVFP4 vs BF16, with its 95% CI) against model size, from `ds-nvfp4 compare` reports.
 
-    python bench/gap_vs_size.py runs/evidence_1m/report_nvfp4_zero3 runs/evidence_5m/report_nvfp4_zero3 \
+    python bench/gap_vs_size.py runs/evidence_{1m,5m,10m}/report_nvfp4_zero3 \
+        --variant runs/evidence_10m/report_nvfp4_zero3_bf16_warmup50 \
         --out docs/results_gap_vs_size.png --json docs/results_gap_vs_size.json
 
 Each argument is a report directory written by ``ds-nvfp4 compare --out DIR`` (its report.json names the two runs;
@@ -30,7 +31,7 @@ def points(report_dirs: list[str]) -> list[dict]:
     return sorted(out, key=lambda p: p["params"])
 
 
-def plot(pts: list[dict], path: Path, threshold: float = 0.01) -> None:
+def plot(pts: list[dict], path: Path, threshold: float = 0.01, variants: list[dict] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,6 +45,12 @@ def plot(pts: list[dict], path: Path, threshold: float = 0.01) -> None:
     for xi, yi, p in zip(x, y, pts):
         ax.annotate(f"{p['gap']:+.2%} ({p['verdict']})", (xi, yi), textcoords="offset points", xytext=(6, 6),
                     fontsize=8)
+    for v in variants:  # other recipes at one size: a marker each, not joined to the default preset's line
+        ax.errorbar([v["params"] / 1e6], [100 * v["gap"]], yerr=[[100 * (v["gap"] - v["ci"][0])],
+                    [100 * (v["ci"][1] - v["gap"])]], fmt="s", capsize=5, color="tab:blue",
+                    label=f"{Path(v['candidate']).name} (other recipe), 95% CI")
+        ax.annotate(f"{v['gap']:+.2%} ({v['verdict']})", (v["params"] / 1e6, 100 * v["gap"]),
+                    textcoords="offset points", xytext=(-80, 6), fontsize=8, color="tab:blue")
     ax.axhline(100 * threshold, color="gray", ls="--", label=f"acceptance threshold {threshold:.0%}")
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xscale("log")
@@ -64,18 +71,20 @@ def plot(pts: list[dict], path: Path, threshold: float = 0.01) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("reports", nargs="+", help="report directories of `ds-nvfp4 compare --out`")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="a report of another recipe (e.g. a diagnostic run), drawn as a separate marker")
     ap.add_argument("--out", default="gap_vs_size.png")
     ap.add_argument("--json", help="also write the points here")
     args = ap.parse_args()
-    pts = points(args.reports)
-    print("| parameters | steps | tokens | final gap | 95% CI | verdict |")
-    print("|---|---|---|---|---|---|")
-    for p in pts:
-        print(f"| {p['params']:,} | {p['steps']:,} | {p['tokens']:,} | {p['gap']:+.3%} | "
+    pts, variants = points(args.reports), points(args.variant)
+    print("| candidate | parameters | steps | tokens | final gap | 95% CI | verdict |")
+    print("|---|---|---|---|---|---|---|")
+    for p in pts + variants:
+        print(f"| {Path(p['candidate']).name} | {p['params']:,} | {p['steps']:,} | {p['tokens']:,} | {p['gap']:+.3%} | "
               f"[{p['ci'][0]:+.3%}, {p['ci'][1]:+.3%}] | {p['verdict']} |")
-    plot(pts, Path(args.out))
+    plot(pts, Path(args.out), variants=variants)
     if args.json:
-        Path(args.json).write_text(json.dumps(pts, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"default": pts, "variants": variants}, indent=2) + "\n")
     print(f"plot: {args.out}")
 
 

@@ -185,9 +185,12 @@ def main() -> None:
         model=model, model_parameters=model.parameters(), config=ds_config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))  # stepped (and saved) by DeepSpeed
     state = getattr(engine, "ds_nvfp4", None)
+    store = getattr(state, "store", None)
     storage = ds_nvfp4.storage_report(engine)
     if storage is not None:
         print(storage.summary(), flush=True)  # every rank logs its own storage (one line per call)
+    # with a BF16 warm-up (precision.schedule) the storage starts BF16 and is packed when FP4 begins: report that
+    storage_packed = store is None or store.packed
 
     start = 0
     metrics_path = out / "metrics.jsonl"
@@ -210,10 +213,7 @@ def main() -> None:
         (out / "config.json").write_text(json.dumps(resolved, indent=2))
         if state is not None:
             (out / "conversion.json").write_text(state.conversion.to_json())
-    all_storage = [None] * world
-    torch.distributed.all_gather_object(all_storage, storage.to_dict() if storage else None)
-    if rank == 0 and storage is not None:
-        (out / "storage.json").write_text(json.dumps(all_storage, indent=2))
+    all_storage = _gather_storage(storage, out, rank, world)
 
     bar = None
     if rank == 0:
@@ -245,6 +245,9 @@ def main() -> None:
                   "tokens_per_s": tokens_per_step / step_time, **({"phase": phase} if phase else {})}
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
             record.update(evaluate(engine, val_data, args.eval_batches, micro, args.seq, rank, world))
+        if not storage_packed and store.packed:  # the same step on every rank: the phase depends on the step only
+            storage, storage_packed = ds_nvfp4.storage_report(engine), True
+            all_storage = _gather_storage(storage, out, rank, world)
         if engine.monitor.enabled and rank == 0:  # the precision statistics are written by ds_nvfp4 itself
             engine.monitor.write_events([("Train/Samples/train_loss", record["loss"], step + 1)])
         if (args.ckpt_interval and (step + 1) % args.ckpt_interval == 0) or step + 1 == args.steps:
@@ -293,6 +296,15 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _gather_storage(storage, out: Path, rank: int, world: int) -> list:
+    """Every rank's storage report (a dict, or None without ds_nvfp4 storage); rank 0 writes OUT/storage.json."""
+    all_storage = [None] * world
+    torch.distributed.all_gather_object(all_storage, storage.to_dict() if storage else None)
+    if rank == 0 and storage is not None:
+        (out / "storage.json").write_text(json.dumps(all_storage, indent=2))
+    return all_storage
 
 
 def _weight_bytes(all_storage: list, engine) -> int:

@@ -83,6 +83,23 @@ def test_run_directory_and_resume(data: Path, tmp_path: Path) -> None:
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:]]
 
 
+def test_storage_is_reported_from_the_fp4_phase_after_a_bf16_warmup(data: Path, tmp_path: Path) -> None:
+    """With ``precision.schedule.bf16_warmup_steps`` the partitions start BF16 and are packed when FP4 begins:
+    storage.json and the summary's weight bytes describe the packed phase, not the start (the 10M evidence run)."""
+    cfg = json.loads((ROOT / "ds_configs" / "nvfp4_zero3.json").read_text())
+    cfg["precision"]["schedule"] = {"bf16_warmup_steps": 2}
+    path = tmp_path / "warmup2.json"  # absolute: train() joins it onto ds_configs/ unchanged
+    path.write_text(json.dumps(cfg))
+    rows = train(data, tmp_path / "run", str(path), steps=4)
+    assert [r.get("phase") for r in rows] == ["warmup", "warmup", "fp4", "fp4"]
+    storage = json.loads((tmp_path / "run" / "storage.json").read_text())
+    assert len(storage) == 2 and all(s["packed_params"] > 0 and s["ratio"] < 0.29 for s in storage), storage
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["weight_bytes_per_rank"] == storage[0]["packed_bytes"] + storage[0]["bf16_bytes"]
+    line = summary["ranks"][0]["storage"]
+    assert "packed NVFP4" in line and " 0 weight partitions" not in line, line
+
+
 @pytest.fixture(scope="module")
 def pretrained(data: Path, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("pre")
