@@ -93,9 +93,9 @@ def cross_fitted(feats: torch.Tensor, labels: torch.Tensor, classes: int, folds:
 def cached_features(run: Path, gpt_loader, chosen: list[tuple[bytes, int]], seq: int,
                     progress: bool = True) -> torch.Tensor:
     """:func:`features` of ``chosen``, kept in ``RUN_DIR/probe_features.pt`` so a second probe of the same run (other
-    folds, L2, repeats) skips the forward passes, the expensive part (~10 min per 100k examples for 5M parameters
-    on 2 cores). The cache is used only for the same examples (fingerprint), ``seq`` and checkpoint (``ckpt/latest``
-    tag and its modification time); anything else recomputes and replaces it."""
+    folds or L2) skips the forward passes, the expensive part (~20 min for all 117,659 examples at 5M parameters
+    on 2 shared cores). The cache is used only for the same examples (fingerprint), ``seq`` and checkpoint
+    (``ckpt/latest`` tag and its modification time); anything else recomputes and replaces it."""
     latest = run / "ckpt" / "latest"
     key = {"examples_sha256": examples_fingerprint(chosen), "seq": seq,
            "checkpoint": f"{latest.read_text().strip()}@{latest.stat().st_mtime_ns}"}
