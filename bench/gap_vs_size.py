@@ -31,6 +31,11 @@ def points(report_dirs: list[str]) -> list[dict]:
     return sorted(out, key=lambda p: p["params"])
 
 
+def _yerr(pts: list[dict]) -> list[list[float]]:
+    """matplotlib's asymmetric error bars (percent): distance from each gap down to and up to its CI."""
+    return [[100 * (p["gap"] - p["ci"][0]) for p in pts], [100 * (p["ci"][1] - p["gap"]) for p in pts]]
+
+
 def plot(pts: list[dict], path: Path, threshold: float = 0.01, variants: list[dict] = ()) -> None:
     import matplotlib
 
@@ -40,14 +45,14 @@ def plot(pts: list[dict], path: Path, threshold: float = 0.01, variants: list[di
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     x = [p["params"] / 1e6 for p in pts]
     y = [100 * p["gap"] for p in pts]
-    err = [[100 * (p["gap"] - p["ci"][0]) for p in pts], [100 * (p["ci"][1] - p["gap"]) for p in pts]]
-    ax.errorbar(x, y, yerr=err, fmt="o-", capsize=5, color="tab:red", label="NVFP4 default preset vs BF16, 95% CI")
+    ax.errorbar(x, y, yerr=_yerr(pts), fmt="o-", capsize=5, color="tab:red",
+                label="NVFP4 default preset vs BF16, 95% CI")
     for xi, yi, p in zip(x, y, pts):
         ax.annotate(f"{p['gap']:+.2%} ({p['verdict']})", (xi, yi), textcoords="offset points", xytext=(6, 6),
                     fontsize=8)
     for v in variants:  # other recipes at one size: a marker each, not joined to the default preset's line
-        ax.errorbar([v["params"] / 1e6], [100 * v["gap"]], yerr=[[100 * (v["gap"] - v["ci"][0])],
-                    [100 * (v["ci"][1] - v["gap"])]], fmt="s", capsize=5, color="tab:blue",
+        ax.errorbar([v["params"] / 1e6], [100 * v["gap"]], yerr=_yerr([v]), fmt="s", capsize=5,
+                    color="tab:blue",
                     label=f"{Path(v['candidate']).name} (other recipe), 95% CI")
         ax.annotate(f"{v['gap']:+.2%} ({v['verdict']})", (v["params"] / 1e6, 100 * v["gap"]),
                     textcoords="offset points", xytext=(-80, 6), fontsize=8, color="tab:blue")
