@@ -23,13 +23,20 @@ FINETUNE_STEPS=${FINETUNE_STEPS:-0}   # 400 with SEEDS="0 1 2 3": ~4.5 min per s
 SEEDS=${SEEDS:-0 1 2 3}
 export OMP_NUM_THREADS=1
 
+# NAME_seedN: the run NAME with --seed N (initialization and batch order; the validation windows stay fixed), e.g.
+# bf16_seed1 against bf16 measures the noise floor of one run per recipe
+seed_of() { case $1 in *_seed*) echo "${1##*_seed}" ;; *) echo 0 ;; esac; }
 config_of() {
-  case $1 in
+  case ${1%_seed*} in
     bf16) echo ds_configs/bf16_zero3.json ;;
     all_blocks) echo ds_configs/nvfp4_zero3_all_blocks_ablation.json ;;
     # the late switch as a fraction needs the run's length: this config is written for 2,100 steps
     all_blocks_late15) echo bench/configs/nvfp4_zero3_all_blocks_late_bf16_2100.json ;;
-    *) echo "ds_configs/$1.json" ;;
+    # the paper preset with FP4 off for the first 50 steps, and with the late switch too (written for 2,100 steps)
+    full_warmup50) echo bench/configs/nvfp4_full_zero3_bf16_warmup50.json ;;
+    full_warmup50_late15) echo bench/configs/nvfp4_full_zero3_warmup50_late15_2100.json ;;
+    warmup50) echo bench/configs/nvfp4_zero3_bf16_warmup50.json ;;
+    *) echo "ds_configs/${1%_seed*}.json" ;;
   esac
 }
 
@@ -37,12 +44,12 @@ config_of() {
 mkdir -p "$OUT"
 for name in $RUNS; do
   [ -f "$OUT/$name/summary.json" ] && { echo "== $name: done already ($OUT/$name)"; continue; }
-  if [ "$name" = all_blocks_late15 ] && [ "$STEPS" != 2100 ]; then echo "== $name: needs STEPS=2100, skipped"; continue; fi
+  case $name in *late15) [ "$STEPS" = 2100 ] || { echo "== $name: needs STEPS=2100, skipped"; continue; } ;; esac
   port=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   start=$(date +%s)
   "$BIN/deepspeed" --num_gpus 2 --master_port "$port" launch/train.py --deepspeed_config "$(config_of "$name")" \
     --model "$MODEL" --steps "$STEPS" --eval-interval "$EVAL" --eval-batches 32 --ckpt-interval "$STEPS" \
-    --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+    --seed "$(seed_of "$name")" --out "$OUT/$name" > "$OUT/$name.log" 2>&1
   echo "$name $(( $(date +%s) - start )) s" | tee -a "$OUT/wall_times.txt"
 done
 export OMP_NUM_THREADS=${EVAL_THREADS:-2}  # one process: use both cores
@@ -62,5 +69,10 @@ if [ "$FINETUNE_STEPS" -gt 0 ]; then
 fi
 for name in $RUNS; do
   [ "$name" = bf16 ] || [ ! -f "$OUT/$name/summary.json" ] && continue
-  "$BIN/python" -m ds_nvfp4 compare "$OUT/bf16" "$OUT/$name" --out "$OUT/report_$name" || true
+  # a NAME_seedN run is judged against the NAME run (seed 0): the same recipe twice, the noise floor
+  case $name in
+    *_seed*) "$BIN/python" -m ds_nvfp4 compare "$OUT/${name%_seed*}" "$OUT/$name" --seeds-may-differ \
+               --out "$OUT/report_$name" || true ;;
+    *) "$BIN/python" -m ds_nvfp4 compare "$OUT/bf16" "$OUT/$name" --out "$OUT/report_$name" || true ;;
+  esac
 done

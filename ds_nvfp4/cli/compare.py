@@ -19,6 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="report directory (default: the candidate run directory)")
     p.add_argument("--loss-gap", type=float, default=0.01, help="max final relative validation-loss gap (0.01 = 1%%)")
     p.add_argument("--acc-gap", type=float, default=0.5, help="max downstream accuracy gap, points")
+    p.add_argument("--seeds-may-differ", action="store_true",
+                   help="compare runs trained with different --seed (two runs of one recipe: the noise floor)")
     p.set_defaults(func=run)
 
 
@@ -26,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from ..report import CompareError, compare, write
 
     try:
-        rep = compare(args.baseline, args.candidate, args.loss_gap, args.acc_gap)
+        rep = compare(args.baseline, args.candidate, args.loss_gap, args.acc_gap, args.seeds_may_differ)
     except CompareError as exc:
         return bad_input("compare", exc)
     paths = write(rep, args.out or args.candidate)

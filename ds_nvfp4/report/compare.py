@@ -68,7 +68,7 @@ def _load(run: Path) -> tuple[dict, list[dict], dict]:
     return json.loads((run / "config.json").read_text()), rows, json.loads((run / "summary.json").read_text())
 
 
-def _check_comparable(a: dict, b: dict, sa: dict, sb: dict) -> None:
+def _check_comparable(a: dict, b: dict, sa: dict, sb: dict, seeds_may_differ: bool = False) -> None:
     checks = [("data", a["data"].get("sha256_train"), b["data"].get("sha256_train")),
               ("validation data", a["data"].get("sha256_val"), b["data"].get("sha256_val")),
               ("--seed", a["args"]["seed"], b["args"]["seed"]),
@@ -77,8 +77,11 @@ def _check_comparable(a: dict, b: dict, sa: dict, sb: dict) -> None:
               ("--eval-batches", a["args"]["eval_batches"], b["args"]["eval_batches"]),
               ("steps run", sa["steps"], sb["steps"])]
     for what, x, y in checks:
-        if x != y:
-            raise CompareError(f"the runs differ in {what} ({x!r} vs {y!r}): a loss gap would not measure precision")
+        if x != y and not (what == "--seed" and seeds_may_differ):
+            hint = (" (--seeds-may-differ compares them anyway: the noise floor of one run per recipe)"
+                    if what == "--seed" else "")
+            raise CompareError(f"the runs differ in {what} ({x!r} vs {y!r}): a loss gap would not measure "
+                               f"precision{hint}")
 
 
 def paired_bootstrap(base: list[float], cand: list[float], stat, n: int = 2000, seed: int = 0) -> tuple[float, ...]:
@@ -98,13 +101,22 @@ def _verdict(ci: tuple[float, float], threshold: float) -> str:
     return "inconclusive"
 
 
-def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01, acc_gap: float = 0.5) -> Report:
-    """Build the report (raises CompareError for runs that cannot be compared)."""
+def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01, acc_gap: float = 0.5,
+            seeds_may_differ: bool = False) -> Report:
+    """Build the report (raises CompareError for runs that cannot be compared).
+
+    ``seeds_may_differ``: accept runs trained with different ``--seed`` (initialization and batch order; the
+    validation windows are the same for every seed). Two runs of one recipe then measure the run-to-run noise that a
+    single-run verdict carries; the report says so."""
     base, cand = Path(baseline), Path(candidate)
     ca, ra, sa = _load(base)
     cb, rb, sb = _load(cand)
-    _check_comparable(ca, cb, sa, sb)
+    _check_comparable(ca, cb, sa, sb, seeds_may_differ)
     rep = Report(str(base), str(cand))
+    if ca["args"]["seed"] != cb["args"]["seed"]:
+        rep.notes.append(f"the runs differ in --seed ({ca['args']['seed']} vs {cb['args']['seed']}): the gap includes "
+                         "the run-to-run noise of initialization and batch order, which the interval (over held-out "
+                         "batches) does not cover")
     ea = {r["step"]: r for r in ra if "val_loss" in r}
     eb = {r["step"]: r for r in rb if "val_loss" in r}
     for step in sorted(set(ea) & set(eb)):

@@ -91,6 +91,21 @@ def test_incomparable_runs_are_refused(tmp_path: Path, field: str, value, needle
     assert r.returncode == 2 and needle in r.stderr
 
 
+def test_different_seeds_on_request_measure_the_noise_floor(tmp_path: Path) -> None:
+    a = make_run(tmp_path / "bf16", BASE)
+    b = make_run(tmp_path / "bf16_seed1", [v * 1.002 for v in BASE], seed=1)
+    refused = run(str(a), str(b))
+    assert refused.returncode == 2 and "--seeds-may-differ" in refused.stderr
+    r = run(str(a), str(b), "--seeds-may-differ")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads((b / "report.json").read_text())
+    assert abs(rep["criteria"][0]["value"] - 0.002) < 1e-9
+    assert any("differ in --seed (0 vs 1)" in n for n in rep["notes"]), rep["notes"]
+    # the flag loosens the seed only
+    c = make_run(tmp_path / "short", BASE, seed=1, steps=50)
+    assert run(str(a), str(c), "--seeds-may-differ").returncode == 2
+
+
 def test_missing_run_is_exit_2(tmp_path: Path) -> None:
     r = run(str(tmp_path / "nope"), str(tmp_path / "nope2"))
     assert r.returncode == 2 and "config.json: missing" in r.stderr
