@@ -8,8 +8,9 @@
 #   MODEL=10m STEPS=2100 OUT=runs/evidence_10m RUNS="bf16 nvfp4_zero3" PROBE_RUNS= bash bench/evidence.sh
 #   python bench/gap_vs_size.py runs/evidence_{1m,5m,10m}/report_nvfp4_zero3 \
 #     --out docs/results_gap_vs_size.png --json docs/results_gap_vs_size.json
-# Wall times (this 2-core machine, 2100 steps): 5m ~19 min BF16, ~29 min per NVFP4 preset (the whole default list
-# ~3 h); 10m ~40 min BF16, ~70 min NVFP4; each probe (all of WordNet) ~30 min at 5m.
+# Wall times (this 2-core machine, 2100 steps, alone unless said): 5m ~19 min BF16, ~29 min per forward-only NVFP4
+# preset, ~60-70 min per paper-preset run (FP4 backward; two side by side); the whole default list ~6.5 h, resumable;
+# 10m ~40 min BF16, ~70 min NVFP4; each probe (all of WordNet) ~30 min at 5m. Per-run times: OUT/wall_times.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
@@ -17,7 +18,8 @@ MODEL=${MODEL:-5m}
 STEPS=${STEPS:-2100}
 OUT=${OUT:-runs/evidence_$MODEL}
 EVAL=${EVAL:-100}
-RUNS=${RUNS:-bf16 nvfp4_zero3 nvfp4_zero2 nvfp4_zero3_offload nvfp4_full_zero3 all_blocks all_blocks_late15}
+RUNS=${RUNS:-bf16 nvfp4_zero3 nvfp4_zero2 nvfp4_zero3_offload nvfp4_full_zero3 all_blocks all_blocks_late15 paper_late15
+           paper_no_warmup warmup50 bf16_seed1}
 PROBE_RUNS=${PROBE_RUNS:-bf16 nvfp4_zero3}
 FINETUNE_STEPS=${FINETUNE_STEPS:-0}   # 400 with SEEDS="0 1 2 3": ~4.5 min per seed and run
 SEEDS=${SEEDS:-0 1 2 3}
@@ -32,9 +34,10 @@ config_of() {
     all_blocks) echo ds_configs/nvfp4_zero3_all_blocks_ablation.json ;;
     # the late switch as a fraction needs the run's length: this config is written for 2,100 steps
     all_blocks_late15) echo bench/configs/nvfp4_zero3_all_blocks_late_bf16_2100.json ;;
-    # the paper preset with FP4 off for the first 50 steps, and with the late switch too (written for 2,100 steps)
-    full_warmup50) echo bench/configs/nvfp4_full_zero3_bf16_warmup50.json ;;
-    full_warmup50_late15) echo bench/configs/nvfp4_full_zero3_warmup50_late15_2100.json ;;
+    # the paper preset with the late switch (written for 2,100 steps), and as it was before its BF16 warm-up
+    paper_late15) echo bench/configs/nvfp4_full_zero3_warmup50_late15_2100.json ;;
+    paper_no_warmup) echo bench/configs/nvfp4_full_zero3_no_warmup.json ;;
+    # the default preset with FP4 off for the first 50 steps (the 10M fix)
     warmup50) echo bench/configs/nvfp4_zero3_bf16_warmup50.json ;;
     *) echo "ds_configs/${1%_seed*}.json" ;;
   esac

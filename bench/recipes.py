@@ -4,7 +4,8 @@ Usage: python bench/recipes.py [--model 5m] [--steps 50] [--rounds 2] [--json ou
 Runs launch/train.py (2 CPU ranks, ZeRO-3) for every recipe, round-robin (bf16, mission, paper, bf16, ...) so
 that a change in machine load hits every recipe alike, and reports the median over rounds of each run's median
 tokens/s (warm-up steps excluded by train.py), as a ratio to BF16 measured in the same invocation, with the peak
-resident memory and the weight-partition bytes per rank. Figures go to docs/results.md.
+resident memory and the weight-partition bytes per rank. A preset's precision.schedule is removed (its BF16 warm-up
+would fill a short run): the figures are those of the FP4 phase. Figures go to docs/results.md.
 """
 
 from __future__ import annotations
@@ -26,12 +27,25 @@ RECIPES = {"bf16": "bf16_zero3.json", "mission": "nvfp4_zero3_all_blocks_ablatio
            "default": "nvfp4_zero3.json", "paper": "nvfp4_full_zero3.json"}
 
 
+def fp4_phase_config(recipe: str, tmp: Path) -> Path:
+    """The recipe's preset without its ``precision.schedule``: a 50-step benchmark of a preset with a 50-step BF16
+    warm-up (the paper preset) would time BF16 GEMMs; this times the FP4 phase, which is what the preset runs for
+    all but its first steps."""
+    path = ROOT / "ds_configs" / RECIPES[recipe]
+    cfg = json.loads(path.read_text())
+    if cfg.get("precision", {}).pop("schedule", None) is None:
+        return path
+    out = tmp / f"fp4_phase_{RECIPES[recipe]}"
+    out.write_text(json.dumps(cfg))
+    return out
+
+
 def run(recipe: str, model: str, steps: int, out: Path) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(port),
-           str(ROOT / "launch" / "train.py"), "--deepspeed_config", str(ROOT / "ds_configs" / RECIPES[recipe]),
+           str(ROOT / "launch" / "train.py"), "--deepspeed_config", str(fp4_phase_config(recipe, out.parent)),
            "--model", model, "--steps", str(steps), "--eval-interval", str(steps), "--eval-batches", "2",
            "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")

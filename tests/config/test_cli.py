@@ -100,6 +100,8 @@ def test_schema_is_json_schema() -> None:
 
 @pytest.mark.parametrize("preset, needle", [("nvfp4_zero3.json", "Dgrad and Wgrad in BF16"),
                                             ("nvfp4_full_zero3.json", "Fprop, Dgrad and Wgrad"),
+                                            ("nvfp4_full_zero3.json", "steps 1-50: every converted layer in BF16 "
+                                                                      "(BF16 weights); steps 51 on: fp4"),
                                             ("nvfp4_zero2.json", "stored by DeepSpeed in BF16"),
                                             ("bf16_zero3.json", "NVFP4 is disabled"),
                                             ("nvfp4_zero3_all_blocks_ablation.json", "Every transformer block is FP4"),
