@@ -45,6 +45,8 @@ class Report:
     evals: list[dict] = field(default_factory=list)
     ratios: dict[str, float | None] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: what the report's tables and plot call the two runs: their precision, and their seed when that is the same
+    labels: tuple[str, str] = ("BF16", "NVFP4")
 
     @property
     def verdict(self) -> str:
@@ -84,6 +86,14 @@ def _check_comparable(a: dict, b: dict, sa: dict, sb: dict, seeds_may_differ: bo
                                f"precision{hint}")
 
 
+def _labels(a: dict, b: dict) -> tuple[str, str]:
+    """"BF16"/"NVFP4" by each run's precision section; two runs of one precision are told apart by their seed."""
+    la, lb = ("NVFP4" if (c.get("precision") or {}).get("enabled") else "BF16" for c in (a, b))
+    if la == lb:
+        return f"{la} seed {a['args']['seed']}", f"{lb} seed {b['args']['seed']}"
+    return la, lb
+
+
 def paired_bootstrap(base: list[float], cand: list[float], stat, n: int = 2000, seed: int = 0) -> tuple[float, ...]:
     """95% percentile interval of ``stat(base_sample, cand_sample)`` over paired resamples."""
     x, y = np.asarray(base), np.asarray(cand)
@@ -112,7 +122,7 @@ def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01,
     ca, ra, sa = _load(base)
     cb, rb, sb = _load(cand)
     _check_comparable(ca, cb, sa, sb, seeds_may_differ)
-    rep = Report(str(base), str(cand))
+    rep = Report(str(base), str(cand), labels=_labels(ca, cb))
     if ca["args"]["seed"] != cb["args"]["seed"]:
         rep.notes.append(f"the runs differ in --seed ({ca['args']['seed']} vs {cb['args']['seed']}): the gap includes "
                          "the run-to-run noise of initialization and batch order, which the interval (over held-out "
@@ -257,6 +267,7 @@ def write(rep: Report, out_dir: str | Path) -> dict[str, Path]:
             "ratios": rep.ratios, "notes": rep.notes}
     paths["json"].write_text(json.dumps(data, indent=2))
     _plot(rep, paths["png"])
+    la, lb = rep.labels
     lines = [f"# NVFP4 acceptance report: **{rep.verdict.upper()}**", "",
              f"- baseline: `{rep.baseline}`", f"- candidate: `{rep.candidate}`", "",
              "| criterion | gap | 95% CI | threshold | verdict |", "|---|---|---|---|---|"]
@@ -268,12 +279,12 @@ def write(rep: Report, out_dir: str | Path) -> dict[str, Path]:
         ci = f"[{fmt(c.ci[0])}, {fmt(c.ci[1])}]" if c.ci else "-"
         thr = f"{c.threshold:.1%}" if c.unit == "relative" else f"{c.threshold} {c.unit}"
         lines.append(f"| {c.name} | {gap} | {ci} | <= {thr} | {c.verdict}{'' if c.counts else ' (supporting)'} |")
-    lines += ["", "| eval step | BF16 val loss | NVFP4 val loss | BF16 ppl | NVFP4 ppl | relative gap |",
+    lines += ["", f"| eval step | {la} val loss | {lb} val loss | {la} ppl | {lb} ppl | relative gap |",
               "|---|---|---|---|---|---|"]
     lines += [f"| {e['step']} | {e['baseline_val_loss']:.4f} | {e['candidate_val_loss']:.4f} | "
               f"{e['baseline_val_ppl']:.3f} | {e['candidate_val_ppl']:.3f} | {e['relative_gap']:+.3%} |"
               for e in rep.evals]
-    lines += ["", "| ratio (NVFP4 / BF16, same machine) | value |", "|---|---|"]
+    lines += ["", f"| ratio ({lb} / {la}, same machine) | value |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in rep.ratios.items() if v is not None]
     lines += ["", *[f"- {c.name}: {c.note}" for c in rep.criteria], *[f"- {n}" for n in rep.notes], "",
               "![loss curves](report.png)"]
@@ -290,7 +301,7 @@ def _plot(rep: Report, path: Path) -> None:
     base_rows = [json.loads(ln) for ln in (Path(rep.baseline) / "metrics.jsonl").read_text().splitlines()]
     cand_rows = [json.loads(ln) for ln in (Path(rep.candidate) / "metrics.jsonl").read_text().splitlines()]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for rows, label, color in ((base_rows, "BF16", "tab:blue"), (cand_rows, "NVFP4", "tab:red")):
+    for rows, label, color in ((base_rows, rep.labels[0], "tab:blue"), (cand_rows, rep.labels[1], "tab:red")):
         steps = [r["step"] for r in rows]
         loss = np.asarray([r["loss"] for r in rows])
         k = max(1, len(loss) // 40)
@@ -311,7 +322,8 @@ def _plot(rep: Report, path: Path) -> None:
         ax2.errorbar([steps[-1]], [100 * crit.value], yerr=[[100 * (crit.value - crit.ci[0])],
                                                             [100 * (crit.ci[1] - crit.value)]],
                      fmt="s", color="black", capsize=4, label="final gap, 95% CI")
-    ax2.set(xlabel="step", ylabel="NVFP4 vs BF16 validation loss (%)", title=f"Relative gap: {rep.verdict}")
+    ax2.set(xlabel="step", ylabel=f"{rep.labels[1]} vs {rep.labels[0]} validation loss (%)",
+            title=f"Relative gap: {rep.verdict}")
     ax2.legend()
     ax2.grid(alpha=0.3)
     fig.tight_layout()

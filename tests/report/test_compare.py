@@ -13,10 +13,11 @@ import pytest
 
 
 def make_run(path: Path, batch_losses: list[float], *, seed: int = 0, steps: int = 100, tok_s: float = 1000.0,
-             weight_bytes: int = 1000, finetune: list[float] | None = None) -> Path:
+             weight_bytes: int = 1000, finetune: list[float] | None = None, nvfp4: bool = False) -> Path:
     path.mkdir(parents=True)
     cfg = {"args": {"seed": seed, "steps": steps, "seq": 256, "eval_batches": len(batch_losses)},
-           "model": {"layers": 5, "d_model": 128}, "data": {"sha256_train": "a", "sha256_val": "b"}, "kernel": None}
+           "model": {"layers": 5, "d_model": 128}, "data": {"sha256_train": "a", "sha256_val": "b"}, "kernel": None,
+           "precision": {"enabled": True} if nvfp4 else None}
     (path / "config.json").write_text(json.dumps(cfg))
     rows = []
     for step in range(1, steps + 1):
@@ -46,7 +47,7 @@ BASE = list(np.random.default_rng(0).normal(2.5, 0.05, 32))
 
 def test_pass(tmp_path: Path) -> None:
     a = make_run(tmp_path / "bf16", BASE)
-    b = make_run(tmp_path / "nvfp4", [v * 1.002 for v in BASE], tok_s=500.0, weight_bytes=300)
+    b = make_run(tmp_path / "nvfp4", [v * 1.002 for v in BASE], tok_s=500.0, weight_bytes=300, nvfp4=True)
     r = run(str(a), str(b))
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads((b / "report.json").read_text())
@@ -57,6 +58,7 @@ def test_pass(tmp_path: Path) -> None:
     assert (b / "report.png").read_bytes()[:4] == b"\x89PNG"
     md = (b / "report.md").read_text()
     assert "PASS" in md and "| 100 |" in md and "report.png" in md
+    assert "| eval step | BF16 val loss | NVFP4 val loss |" in md
 
 
 def test_fail(tmp_path: Path) -> None:
@@ -101,6 +103,9 @@ def test_different_seeds_on_request_measure_the_noise_floor(tmp_path: Path) -> N
     rep = json.loads((b / "report.json").read_text())
     assert abs(rep["criteria"][0]["value"] - 0.002) < 1e-9
     assert any("differ in --seed (0 vs 1)" in n for n in rep["notes"]), rep["notes"]
+    # two BF16 runs: told apart by their seed, not called NVFP4
+    md = (b / "report.md").read_text()
+    assert "| eval step | BF16 seed 0 val loss | BF16 seed 1 val loss |" in md and "NVFP4 val" not in md
     # the flag loosens the seed only
     c = make_run(tmp_path / "short", BASE, seed=1, steps=50)
     assert run(str(a), str(c), "--seeds-may-differ").returncode == 2
