@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The acceptance evidence of docs/results.md: BF16 and every shipped NVFP4 preset (plus the ablations) trained for
 # the same number of steps on the Shakespeare text (2 CPU ranks), each compared with BF16 by `ds-nvfp4 compare`;
-# the deterministic downstream check (`ds-nvfp4 probe`) on BF16 and the default preset; optionally the seed-noisy
-# WordNet fine-tunes. Runs already finished (summary.json present) are skipped, so an interrupted script resumes.
+# the deterministic downstream check (`ds-nvfp4 probe`) on BF16, the default preset and the second BF16 seed;
+# optionally the seed-noisy WordNet fine-tunes. Runs already finished (summary.json present) are skipped, so an
+# interrupted script resumes.
 #   MODEL=5m STEPS=2100 OUT=runs/evidence_5m bash bench/evidence.sh
 #   MODEL=1m STEPS=2100 OUT=runs/evidence_1m RUNS="bf16 nvfp4_zero3" PROBE_RUNS= bash bench/evidence.sh
 #   MODEL=10m STEPS=2100 OUT=runs/evidence_10m RUNS="bf16 nvfp4_zero3" PROBE_RUNS= bash bench/evidence.sh
@@ -20,7 +21,7 @@ OUT=${OUT:-runs/evidence_$MODEL}
 EVAL=${EVAL:-100}
 RUNS=${RUNS:-bf16 nvfp4_zero3 nvfp4_zero2 nvfp4_zero3_offload nvfp4_full_zero3 all_blocks all_blocks_late15 paper_late15
            paper_no_warmup warmup50 bf16_seed1}
-PROBE_RUNS=${PROBE_RUNS:-bf16 nvfp4_zero3}
+PROBE_RUNS=${PROBE_RUNS:-bf16 nvfp4_zero3 bf16_seed1}
 FINETUNE_STEPS=${FINETUNE_STEPS:-0}   # 400 with SEEDS="0 1 2 3": ~4.5 min per seed and run
 SEEDS=${SEEDS:-0 1 2 3}
 export OMP_NUM_THREADS=1

@@ -211,7 +211,7 @@ def _downstream(base: Path, cand: Path, threshold: float) -> Criterion:
     else:  # results written before per-example correctness was recorded
         ci = paired_bootstrap(a["accuracy"], b["accuracy"], lambda x, y: 100 * (x.mean() - y.mean()))
         how = "paired bootstrap over seeds only (no per-example results recorded)"
-    note = f"{a['task']}, {len(diffs)} seeds, {how}, 95% CI (baseline minus NVFP4)"
+    note = f"{a['task']}, {len(diffs)} seeds, {how}, 95% CI (baseline minus candidate)"
     verdict = _verdict(ci, threshold)
     if len(diffs) < MIN_SEEDS:  # a bootstrap over 2-3 pairs has a handful of distinct resamples: no verdict
         verdict = "inconclusive"
@@ -240,7 +240,7 @@ def _probe(base: Path, cand: Path, threshold: float) -> Criterion:
     disagree = float((ca != cb).mean())
     verdict = _verdict(ci, threshold)
     note = (f"{a['task']}, {n} examples {a['folds']}-fold cross-fitted, paired bootstrap over examples, 95% CI "
-            f"(baseline minus NVFP4); the probes disagree on {disagree:.1%} of the examples")
+            f"(baseline minus candidate); the probes disagree on {disagree:.1%} of the examples")
     if verdict == "inconclusive":
         note += f"; {examples_needed(gap, ci, threshold, n)}"
     return Criterion(name, gap, ci, threshold, verdict, "points", note)
