@@ -33,21 +33,89 @@ def original_initialize(deepspeed_module: object):
     return getattr(fn, ORIGINAL_ATTR, fn)
 
 
-def _config_source(args: tuple, kwargs: dict) -> object:
-    """The ds_config of a ``deepspeed.initialize`` call, as DeepSpeed resolves it: ``config``, then
-    ``config_params``, then ``args.deepspeed_config`` (``args`` is the first positional parameter)."""
+#: the ds_config section ds_nvfp4 reads
+SECTION = "precision"
+
+
+def config_source(arguments: dict) -> tuple[str | None, object]:
+    """Which argument of a bound ``deepspeed.initialize`` call holds the ds_config, and its value, as DeepSpeed
+    resolves it: ``config``, then ``config_params``, then ``args.deepspeed_config``. ``(None, None)`` when none
+    does. The one place ds_nvfp4 encodes this precedence (the hook and ``ds_nvfp4.initialize`` both call it)."""
     for key in ("config", "config_params"):
-        if kwargs.get(key) is not None:
-            return kwargs[key]
-    ns = kwargs.get("args", args[0] if args else None)
-    return getattr(ns, "deepspeed_config", None)
+        if arguments.get(key) is not None:
+            return key, arguments[key]
+    path = getattr(arguments.get("args"), "deepspeed_config", None)
+    return ("args", path) if path is not None else (None, None)
+
+
+def bind(function, args: tuple, kwargs: dict) -> dict | None:
+    """The call's arguments by parameter name (``args`` may come positionally or by keyword), or None when the
+    call does not fit ``function``'s signature (DeepSpeed then raises its own error)."""
+    import inspect
+
+    try:
+        return dict(inspect.signature(function).bind(*args, **kwargs).arguments)
+    except TypeError:
+        return None
+
+
+def near_misses(keys) -> list[str]:
+    """Top-level keys that look like a misspelt ``precision`` (``precison``, ``Precision``, ``precision_config``):
+    DeepSpeed ignores unknown keys, so such a config would train plain BF16 without a word."""
+    import difflib
+
+    out = []
+    for key in keys:
+        if not isinstance(key, str) or key == SECTION:
+            continue
+        norm = key.strip().lower().replace("-", "_")
+        if norm.startswith(SECTION) or norm.endswith(SECTION) or \
+                difflib.SequenceMatcher(None, norm, SECTION).ratio() >= 0.8:
+            out.append(key)
+    return out
+
+
+def _top_level_keys(source: object) -> list:
+    if isinstance(source, dict):
+        return list(source)
+    if isinstance(source, (str, os.PathLike)):
+        import json
+
+        try:
+            with open(source) as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            return []
+        return list(data) if isinstance(data, dict) else []
+    return []
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher set it (before ``torch.distributed`` exists): RANK, else Open MPI's,
+    PMI's or SLURM's variable; 0 when none is set."""
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def warn_near_miss(source: object) -> list[str]:
+    """Say loudly (rank 0, stderr) that a ds_config without ``precision`` has a near miss of it; returns them."""
+    found = near_misses(_top_level_keys(source))
+    if found and launcher_rank() == 0:
+        names = ", ".join(repr(k) for k in found)
+        print(f"ds_nvfp4: WARNING: the ds_config has no {SECTION!r} section but has {names}: DeepSpeed ignores unknown "
+              f"keys, so this run trains WITHOUT NVFP4 (plain DeepSpeed precision). Rename it to {SECTION!r} to train "
+              "NVFP4; `ds-nvfp4 validate` reports it too.", file=sys.stderr, flush=True)
+    return found
 
 
 def has_precision_section(source: object) -> bool:
     """Whether a ds_config (dict or path) has a top-level ``precision`` key. An unreadable path is left to
     DeepSpeed (which raises its own error) unless the text mentions the key, in which case ds_nvfp4 reports it."""
     if isinstance(source, dict):
-        return "precision" in source
+        return SECTION in source
     if isinstance(source, (str, os.PathLike)):
         try:
             with open(source) as fh:
@@ -62,7 +130,7 @@ def has_precision_section(source: object) -> bool:
             data = json.loads(text)
         except ValueError:
             return True  # let ds_nvfp4 report the syntax error with line and column
-        return not isinstance(data, dict) or "precision" in data
+        return not isinstance(data, dict) or SECTION in data
     return False
 
 
@@ -72,10 +140,14 @@ def _wrap(deepspeed_module: object) -> None:
         return
 
     def initialize(*args, **kwargs):
-        if enabled() and has_precision_section(_config_source(args, kwargs)):
-            import ds_nvfp4
+        arguments = bind(original, args, kwargs) if enabled() else None
+        if arguments is not None:
+            _, source = config_source(arguments)
+            if has_precision_section(source):
+                import ds_nvfp4
 
-            return ds_nvfp4.initialize(*args, **kwargs)
+                return ds_nvfp4.initialize(*args, **kwargs)
+            warn_near_miss(source)
         return original(*args, **kwargs)
 
     initialize.__doc__ = original.__doc__

@@ -24,6 +24,9 @@ RUNS=${RUNS:-bf16 nvfp4_zero3 nvfp4_zero2 nvfp4_zero3_offload nvfp4_full_zero3 a
 PROBE_RUNS=${PROBE_RUNS:-bf16 nvfp4_zero3 bf16_seed1}
 FINETUNE_STEPS=${FINETUNE_STEPS:-0}   # 400 with SEEDS="0 1 2 3": ~4.5 min per seed and run
 SEEDS=${SEEDS:-0 1 2 3}
+# a checkpoint every CKPT steps (the newest 2 kept): an interrupted run resumes from it (--resume) instead of
+# starting again; hours-long runs (30M) span sessions
+CKPT=${CKPT:-100}
 export OMP_NUM_THREADS=1
 
 # NAME_seedN: the run NAME with --seed N (initialization and batch order; the validation windows stay fixed), e.g.
@@ -52,8 +55,8 @@ for name in $RUNS; do
   port=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   start=$(date +%s)
   "$BIN/deepspeed" --num_gpus 2 --master_port "$port" launch/train.py --deepspeed_config "$(config_of "$name")" \
-    --model "$MODEL" --steps "$STEPS" --eval-interval "$EVAL" --eval-batches 32 --ckpt-interval "$STEPS" \
-    --seed "$(seed_of "$name")" --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+    --model "$MODEL" --steps "$STEPS" --eval-interval "$EVAL" --eval-batches 32 --ckpt-interval "$CKPT" --keep-ckpts 2 \
+    --resume --seed "$(seed_of "$name")" --out "$OUT/$name" >> "$OUT/$name.log" 2>&1
   echo "$name $(( $(date +%s) - start )) s" | tee -a "$OUT/wall_times.txt"
 done
 export OMP_NUM_THREADS=${EVAL_THREADS:-2}  # one process: use both cores

@@ -32,17 +32,17 @@ def main() -> None:
     rows["ds_nvfp4.quantize 16x16"] = timeit(lambda: ds_nvfp4.quantize(x, block="16x16"), args.repeats)
     rows["ds_nvfp4.dequantize -> bf16"] = timeit(lambda: q.dequantize(), args.repeats)
     try:
-        from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+        from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Storage, per_tensor_amax_to_scale
 
         def ao() -> object:
-            return NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().max().float()))
+            return NVFP4Storage.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().max().float()))
 
-        rows["torchao NVFP4Tensor.to_nvfp4"] = timeit(ao, args.repeats)
+        rows["torchao NVFP4Storage.to_nvfp4"] = timeit(ao, args.repeats)
     except ImportError:
         print("torchao not installed (pip install torchao --no-deps): no torchao column")
 
     copy_s = rows["copy_ (bf16, same bytes)"]
-    ao_s = rows.get("torchao NVFP4Tensor.to_nvfp4")
+    ao_s = rows.get("torchao NVFP4Storage.to_nvfp4")
     # bytes moved: copy reads 2 and writes 2 per element; quantize reads 2 and writes 0.5625 (+ amax pass)
     moved = {"copy_ (bf16, same bytes)": 4.0, "ds_nvfp4.dequantize -> bf16": 2.5625}
     print(f"{n}x{n} bfloat16, torch {torch.__version__}, {torch.get_num_threads()} threads, "

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .kernels import availability, decide, fp4_tensor_cores, get_backend, probe
+from .kernels import availability, decide, fp4_tensor_cores, get_backend, read_device
 
 
 def _version(dist: str) -> str | None:
@@ -22,7 +22,7 @@ def _version(dist: str) -> str | None:
 
 
 def hardware() -> dict[str, Any]:
-    info = probe()
+    info = read_device()
     cores, why = fp4_tensor_cores(info)
     out: dict[str, Any] = {"device": info.device_type, "name": info.name, "fp4_tensor_cores": cores, "fp4_reason": why}
     if info.device_type == "cuda":
@@ -35,9 +35,12 @@ def hardware() -> dict[str, Any]:
 
 
 def software() -> dict[str, Any]:
-    from .zero.guard import TESTED_RANGE
+    from .kernels.transformer_engine import TESTED_RANGE as TE_RANGE
+    from .kernels.transformer_engine import in_tested_range
+    from .zero.seams import TESTED_RANGE
 
     ds = _version("deepspeed")
+    te = _version("transformer-engine") or _version("transformer_engine")
     in_range = None
     if ds:
         from packaging.version import Version
@@ -61,7 +64,8 @@ def software() -> dict[str, Any]:
         "python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
         "deepspeed": ds, "deepspeed_in_tested_range": in_range,
         "deepspeed_tested_range": f"{TESTED_RANGE[0]} <= v < {TESTED_RANGE[1]}",
-        "transformer_engine": _version("transformer-engine") or _version("transformer_engine"), "mpi": mpi,
+        "transformer_engine": te, "transformer_engine_in_tested_range": in_tested_range(te),
+        "transformer_engine_tested_range": f"{TE_RANGE[0]} <= v < {TE_RANGE[1]}", "mpi": mpi,
         "gloo": dist and torch.distributed.is_gloo_available(),
         "nccl": dist and torch.distributed.is_nccl_available(),
         "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
@@ -74,7 +78,7 @@ def smoke_test() -> list[dict[str, Any]]:
     from .format import quantize
     from .kernels import operand_choice
 
-    info = probe()
+    info = read_device()
     dev = torch.device("cuda", torch.cuda.current_device()) if info.device_type == "cuda" else torch.device("cpu")
     g = torch.Generator().manual_seed(0)
     a_src, b_src = torch.randn(128, 256, generator=g).to(dev), torch.randn(64, 256, generator=g).to(dev)
@@ -135,7 +139,7 @@ def check_config(path: str) -> tuple[bool, str]:
     if not pc.enabled:
         return True, "precision.enabled is false: plain DeepSpeed"
     try:
-        sel = decide(probe(), pc.kernel)
+        sel = decide(read_device(), pc.kernel)
     except BackendUnavailable as exc:
         return False, str(exc)
     sw = software()
@@ -148,9 +152,11 @@ def check_config(path: str) -> tuple[bool, str]:
     return True, f"runs here: {sel.describe()}"
 
 
-def report(config: str | None = None) -> dict[str, Any]:
+def check_environment(config: str | None = None) -> dict[str, Any]:
+    """Everything `ds-nvfp4 env` shows: hardware, software, the default kernel, smoke GEMMs, the format kernels and
+    (with ``config``) whether that precision section can run here."""
     hw, sw = hardware(), software()
-    sel = decide(probe(), None)
+    sel = decide(read_device(), None)
     out = {"node": platform.node(), "hardware": hw, "software": sw,
            "default_kernel": {"name": sel.name, "reason": sel.reason}, "smoke_test": smoke_test(),
            "format_kernels": format_kernels()}

@@ -31,14 +31,16 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint.metadata import FILE as CHECKPOINT_META
+from .checkpoint.metadata import CheckpointError, CheckpointMetadata, read_metadata
 from .format import quantize
 from .format.constants import GLOBAL_SCALE_NUMERATOR
+from .nn.fused import groups_by_name, share_amax
 
 FORMATS = ("bf16", "nvfp4-modelopt", "nvfp4-compressed-tensors")
 #: Hugging Face files copied from the checkpoint folder when present (model config handled separately)
 HF_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
             "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
-CHECKPOINT_META = "ds_nvfp4.json"
 
 
 class ExportError(ValueError):
@@ -82,7 +84,8 @@ def _resolve_tag(ckpt: Path, tag: str | None) -> str:
     return latest.read_text().strip()
 
 
-def load_run(ckpt_dir: str | os.PathLike, tag: str | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+def load_run(ckpt_dir: str | os.PathLike, tag: str | None = None
+             ) -> tuple[dict[str, torch.Tensor], CheckpointMetadata]:
     """FP32 master state dict (HF/module parameter names) and the ds_nvfp4 metadata of a checkpoint."""
     ckpt = Path(ckpt_dir)
     if not ckpt.is_dir():
@@ -94,16 +97,14 @@ def load_run(ckpt_dir: str | os.PathLike, tag: str | None = None) -> tuple[dict[
                           "ds_nvfp4.initialize (or by deepspeed.initialize with a precision section), so which "
                           "layers are NVFP4 is unknown (for BF16 weights of a plain DeepSpeed checkpoint use "
                           "DeepSpeed's zero_to_fp32.py)")
+    try:
+        meta = read_metadata(meta_path)
+    except CheckpointError as exc:
+        raise ExportError(str(exc)) from None
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag=tag)
-    return {k: v.detach().float() for k, v in sd.items()}, json.loads(meta_path.read_text())
-
-
-def nvfp4_layers(meta: dict) -> dict[str, str]:
-    """``{layer name: weight block}`` of the layers trained in NVFP4."""
-    block = meta["precision"]["weights"]["block"]
-    return {layer["name"]: block for layer in meta["conversion"]["layers"] if layer["fp4"]}
+    return {k: v.detach().float() for k, v in sd.items()}, meta
 
 
 def export_groups(layers: list[str], fuse: list[list[str]]) -> list[list[str]]:
@@ -140,33 +141,27 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, ta
     _check_out(out, force)
     ckpt = Path(ckpt_dir)
     sd, meta = load_run(ckpt, tag)
-    precision = meta["precision"]
-    layers = nvfp4_layers(meta)
+    layers = meta.nvfp4_layers()
     missing = [name for name in layers if f"{name}.weight" not in sd]
     if missing:
         raise ExportError(f"layers {missing} are NVFP4 in {CHECKPOINT_META} but have no weight in the checkpoint")
-    if fmt != "bf16" and layers and precision["activations"]["hadamard"]:
+    if fmt != "bf16" and layers and meta.activation_hadamard:
         raise ExportError("precision.activations.hadamard was on: the forward multiplied Hadamard-rotated weight "
                           "codes, which no inference engine applies; export --format bf16 instead")
 
     # what the training forward quantized: packed ZeRO-3 storage re-packs from the FP32 master; otherwise the
-    # forward reads the BF16 module weight (older checkpoints without "packed": storage nvfp4 meant packed)
-    packed = meta.get("packed", precision["weights"]["storage"] == "nvfp4")
-    from_master = set(layers) - set(meta.get("stored_bf16", [])) if packed else set()
+    # forward reads the BF16 module weight
+    from_master = set(layers) - set(meta.stored_bf16) if meta.stored_packed else set()
     source = {n: sd[f"{n}.weight"] if n in from_master else sd[f"{n}.weight"].to(torch.bfloat16).float()
               for n in layers}
-    amax = {n: w.abs().max() for n, w in source.items()}
-    trained_groups = [sorted(g) for g in meta["conversion"].get("fused_groups", [])]
-    groups = export_groups(sorted(layers), precision["modules"].get("fuse", []))
-    requantized = []
-    for g in groups:
-        shared = torch.stack([amax[n] for n in g]).max()
-        for n in g:
-            amax[n] = shared
-        if sorted(g) not in trained_groups:
-            requantized.append(", ".join(g))
+    trained_groups = [sorted(g) for g in meta.conversion.fused_groups]
+    groups = export_groups(sorted(layers), meta.fuse_rules)
+    names = list(source)
+    shared = share_amax(torch.stack([w.abs().max() for w in source.values()]), groups_by_name(names, groups))
+    amax = dict(zip(names, shared))
+    requantized = [", ".join(g) for g in groups if sorted(g) not in trained_groups]
 
-    input_amax = meta.get("input_amax") or {}
+    input_amax = meta.input_amax
     scheme, reason = "BF16", "--format bf16"
     if fmt != "bf16":
         bad = [n for n in layers if not (isinstance(input_amax.get(n), (int, float))

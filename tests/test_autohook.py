@@ -54,9 +54,19 @@ def test_which_configs_are_routed(tmp_path: Path) -> None:
     assert hook.has_precision_section(broken)  # ds_nvfp4 reports the syntax error instead of DeepSpeed ignoring it
     assert not hook.has_precision_section(tmp_path / "missing.json")
     args = argparse.Namespace(deepspeed_config=str(with_section))
-    assert hook._config_source((args,), {}) == str(with_section)
-    assert hook._config_source((), {"args": args, "config": {"x": 1}}) == {"x": 1}
-    assert hook._config_source((), {"config_params": {"y": 1}}) == {"y": 1}
+    import deepspeed
+
+    ds_init = hook.original_initialize(deepspeed)
+
+    def source(*a, **kw):
+        return hook.config_source(hook.bind(ds_init, a, kw))
+
+    # DeepSpeed's precedence: config, then config_params, then args.deepspeed_config (args positional or keyword)
+    assert source(args) == ("args", str(with_section))
+    assert source(args=args, model=None) == ("args", str(with_section))
+    assert source(args=args, config={"x": 1}) == ("config", {"x": 1})
+    assert source(config_params={"y": 1}) == ("config_params", {"y": 1})
+    assert source(model=None) == (None, None)
 
 
 def test_a_wheel_carries_the_pth_file_and_it_works_from_a_site_dir(tmp_path: Path) -> None:
@@ -78,8 +88,26 @@ def test_a_wheel_carries_the_pth_file_and_it_works_from_a_site_dir(tmp_path: Pat
         assert z.read("ds_nvfp4_autohook.pth") == (root / "ds_nvfp4_autohook.pth").read_bytes()
         z.extract("ds_nvfp4_autohook.pth", tmp_path / "site")
         z.extract("ds_nvfp4_autohook.py", tmp_path / "site")
-    # a fresh interpreter that skips the normal site-packages, then adds the wheel's files as a site dir
+    # a fresh interpreter that skips the normal site-packages (-S) and ignores the caller's PYTHONPATH (-E: a
+    # checkout on it would shadow the wheel's hook), then adds the wheel's files as a site dir
     code = (f"import site, sys; site.addsitedir({str(tmp_path / 'site')!r}); "
             "print('ds_nvfp4_autohook' in sys.modules, sys.modules['ds_nvfp4_autohook'].__file__)")
-    r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    r = subprocess.run([sys.executable, "-E", "-S", "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.startswith("True " + str(tmp_path)), (r.stdout, r.stderr)
+
+
+def test_near_misses_of_precision_are_found_and_others_are_not() -> None:
+    keys = ["precison", "Precision", "precision_config", "PRECISION ", "nvfp4_precision", "bf16", "zero_optimization",
+            "prescale_gradients", "train_batch_size"]
+    assert hook.near_misses(keys) == ["precison", "Precision", "precision_config", "PRECISION ", "nvfp4_precision"]
+    assert hook.near_misses(["precision"]) == []
+
+
+def test_the_old_storage_name_still_works_with_a_deprecation_warning() -> None:
+    import pytest
+
+    import ds_nvfp4
+
+    with pytest.warns(DeprecationWarning, match="NVFP4Storage"):
+        assert ds_nvfp4.NVFP4Tensor is ds_nvfp4.NVFP4Storage

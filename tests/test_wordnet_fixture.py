@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_nvfp4.finetune import FinetuneError, wordnet_examples
+from ds_nvfp4.evaluation.finetune import FinetuneError, wordnet_examples
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "wordnet"
 

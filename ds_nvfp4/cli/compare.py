@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..report import CompareError, compare, write
+    from ..evaluation.acceptance import CompareError, compare, write
 
     try:
         rep = compare(args.baseline, args.candidate, args.loss_gap, args.acc_gap, args.seeds_may_differ)

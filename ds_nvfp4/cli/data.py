@@ -12,7 +12,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..data import prepare
+    from ..evaluation.data import prepare
 
     meta = prepare(args.out)
     print(f"{args.out}: {meta['train_bytes']:,} train and {meta['val_bytes']:,} validation bytes "

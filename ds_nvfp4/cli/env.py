@@ -15,9 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..envcheck import report
+    from ..envcheck import check_environment
 
-    rep = report(args.config)
+    rep = check_environment(args.config)
     ok = rep.get("config", {}).get("runs_here", True)
     if args.json:
         print(json.dumps(rep, indent=2))
@@ -29,8 +29,13 @@ def run(args: argparse.Namespace) -> int:
              else f", {hw.get('threads')} threads"))
     print(f"  FP4 cores  {'yes' if hw['fp4_tensor_cores'] else 'no'}: {hw['fp4_reason']}")
     ds_note = "" if sw["deepspeed_in_tested_range"] else f" (OUTSIDE the tested range {sw['deepspeed_tested_range']})"
+    te = sw["transformer_engine"]
+    te_note = (f" (signatures of {sw['transformer_engine_tested_range']} followed)"
+               if sw["transformer_engine_in_tested_range"] else
+               f" (OUTSIDE {sw['transformer_engine_tested_range']}: its NVFP4 API may differ; the start-up GEMM "
+               "check decides)") if te else ""
     print(f"  software   python {sw['python']}, torch {sw['torch']} (CUDA {sw['torch_cuda']}), deepspeed "
-          f"{sw['deepspeed']}{ds_note}, transformer-engine {sw['transformer_engine'] or 'not installed'}")
+          f"{sw['deepspeed']}{ds_note}, transformer-engine {te or 'not installed'}{te_note}")
     print(f"  comm       gloo {'yes' if sw['gloo'] else 'no'}, nccl {'yes' if sw['nccl'] else 'no'}"
           f"{' ' + sw['nccl_version'] if sw['nccl_version'] else ''}, mpi4py {sw['mpi']['mpi4py'] or 'not installed'}"
           f"{' (' + sw['mpi']['library'] + ')' if sw['mpi']['library'] else ''}")

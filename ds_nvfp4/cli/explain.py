@@ -7,7 +7,7 @@ import json
 import sys
 
 from ..config import ConfigError, PrecisionConfig, UnreadableConfig, load_config
-from ..schedule import SchedulePlan
+from ..config.schedule import SchedulePlan
 
 #: storage bytes per weight element (codes + block scales; the 4-byte amax per tensor is negligible)
 BYTES_PER_PARAM = {("nvfp4", "1x16"): 0.5 + 1 / 16, ("nvfp4", "16x16"): 0.5 + 1 / 256}

@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..finetune import FinetuneError, finetune
+    from ..evaluation.finetune import FinetuneError, finetune
 
     try:
         res = finetune(args.run_dir, args.task, tuple(args.seeds), args.steps, args.batch, lr=args.lr,

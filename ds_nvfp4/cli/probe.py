@@ -20,8 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..finetune import FinetuneError
-    from ..probe import probe
+    from ..evaluation.finetune import FinetuneError
+    from ..evaluation.linear_probe import probe
 
     try:
         res = probe(args.run_dir, args.task, args.examples, args.folds)

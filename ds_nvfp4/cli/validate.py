@@ -5,18 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from ..config import ConfigError, UnreadableConfig, check_config, read_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check ds_config files (the precision section, cross-checks, DeepSpeed's "
-                                        "own models)", description="Exit 0: all valid; 1: some invalid; 2: usage "
-                                                                   "error or unreadable file.")
+                                        "own models)", description="Exit 0: all valid; 1: some invalid (an unknown "
+                                        "top-level key that looks like a known one counts, unless --allow-unknown); "
+                                        "2: usage error or unreadable file.")
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--json", action="store_true", help="print a machine-readable result")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing when every file is valid")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's own config models (faster)")
+    p.add_argument("--allow-unknown", action="store_true",
+                   help="report unknown top-level keys that look like known ones (e.g. 'precison') as warnings "
+                        "instead of errors")
     p.set_defaults(func=run)
 
 
@@ -36,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
             continue
         except ConfigError as exc:
             problems = exc.problems
+        if not args.allow_unknown:  # a near miss trains silently without what it meant: an error here
+            problems = [replace(p, severity="error", message=p.message + " (--allow-unknown to accept it)")
+                        if p.code == "near-miss" else p for p in problems]
         entry["problems"] = [p.to_dict() for p in problems]
         entry["valid"] = not any(p.severity == "error" for p in problems)
         entry["_lines"] = [p.format(path) for p in problems]

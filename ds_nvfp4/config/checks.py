@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from .deepspeed_keys import DEEPSPEED_TOP_LEVEL_KEYS
 from .problems import Problem
+from .schedule import first_late_bf16_step, get_path, schedule_total_steps
 from .schema import AUTO_ADVICE, PrecisionConfig
 
 SECTION = "precision"
@@ -179,23 +180,14 @@ def salvage_section(section: Any) -> tuple[PrecisionConfig | None, set[str]]:
     return None, removed
 
 
-def _get(ds: dict, dotted: str, default: Any = None) -> Any:
-    node: Any = ds
-    for k in dotted.split("."):
-        if not isinstance(node, dict) or k not in node:
-            return default
-        node = node[k]
-    return node
-
-
 def cross_check(ds: dict, pc: PrecisionConfig) -> list[Problem]:
     """Rules between the precision section and the rest of the ds_config (only when enabled)."""
     if not pc.enabled:
         return []
     out: list[Problem] = []
-    stage = _get(ds, "zero_optimization.stage", 0)
-    bf16 = _get(ds, "bf16.enabled", False) or _get(ds, "bfloat16.enabled", False)
-    if _get(ds, "fp16.enabled", False) is True:
+    stage = get_path(ds, "zero_optimization.stage", 0)
+    bf16 = get_path(ds, "bf16.enabled", False) or get_path(ds, "bfloat16.enabled", False)
+    if get_path(ds, "fp16.enabled", False) is True:
         out.append(Problem("precision.enabled", "NVFP4 training cannot be combined with fp16.enabled: true (it keeps "
                                                 "gradients and communication in BF16); set fp16.enabled: false and "
                                                 "bf16.enabled: true"))
@@ -206,7 +198,8 @@ def cross_check(ds: dict, pc: PrecisionConfig) -> list[Problem]:
                                            "(ds_nvfp4.initialize stops the run if it resolves to anything else)",
                            severity="warning"))
     elif bf16 is not True:
-        out.append(Problem("precision.enabled", f"needs bf16.enabled: true (found {_show(_get(ds, 'bf16.enabled'))}): "
+        found = _show(get_path(ds, "bf16.enabled"))
+        out.append(Problem("precision.enabled", f"needs bf16.enabled: true (found {found}): "
                                                 "NVFP4 training keeps weights-in-flight, gradients and communication "
                                                 "in BF16; add \"bf16\": {\"enabled\": true}"))
     if pc.weights.storage == "nvfp4" and stage != 3:
@@ -225,7 +218,7 @@ def cross_check(ds: dict, pc: PrecisionConfig) -> list[Problem]:
                            f'"nvfp4" needs precision.weights.block: "16x16" (found {_show(pc.weights.block)}): the '
                            "Dgrad GEMM uses the transposed weight codes, and only 16x16 tiles stay the same blocks "
                            "when transposed, so forward and backward see one quantized weight", ('"bf16"',)))
-    cdt = _get(ds, "communication_data_type")
+    cdt = get_path(ds, "communication_data_type")
     want = {"bf16": ("bf16", "bfloat16"), "fp32": ("fp32", "float32")}[pc.communication.reduce_scatter]
     if cdt is not None and not _is_auto(cdt) and str(cdt).lower() not in want:
         out.append(Problem("precision.communication.reduce_scatter",
@@ -233,12 +226,12 @@ def cross_check(ds: dict, pc: PrecisionConfig) -> list[Problem]:
                            f"{_show(cdt)}; remove communication_data_type (ds_nvfp4 sets it) or make them agree"))
     if pc.weights.storage == "nvfp4" and stage == 3:
         out += _packed_storage_conflicts(ds)
-    if _get(ds, "bf16.check_grad_overflow", True) is False:
+    if get_path(ds, "bf16.check_grad_overflow", True) is False:
         out.append(Problem("bf16.check_grad_overflow", "is false, so DeepSpeed applies steps whose gradients hold "
                                                        "NaN/Inf and precision.nonfinite cannot stop them before they "
                                                        "reach the FP32 masters; remove it (default true)", ("true",)))
     out += _schedule_problems(ds, pc)
-    if pc.monitor.enabled and not any(_get(ds, f"{m}.enabled", False) for m in ("tensorboard", "csv_monitor",
+    if pc.monitor.enabled and not any(get_path(ds, f"{m}.enabled", False) for m in ("tensorboard", "csv_monitor",
                                                                                    "wandb", "comet")):
         out.append(Problem("precision.monitor.enabled", "no DeepSpeed monitor (tensorboard, csv_monitor, wandb, comet) "
                                                         "is enabled, so the statistics are only available from Python",
@@ -275,26 +268,6 @@ def _schedule_problems(ds: dict, pc: PrecisionConfig) -> list[Problem]:
     return out
 
 
-def schedule_total_steps(ds: dict, pc: PrecisionConfig) -> int | None:
-    """The run's optimizer steps for a fractional switch: the schedule's own, else DeepSpeed's scheduler's."""
-    if pc.schedule.total_steps is not None:
-        return pc.schedule.total_steps
-    total = _get(ds, "scheduler.params.total_num_steps")
-    return total if isinstance(total, int) and not isinstance(total, bool) and total >= 1 else None
-
-
-def first_late_bf16_step(ds: dict, pc: PrecisionConfig) -> int | None:
-    """The first optimizer step (from 1) of the late BF16 switch, or None. A fraction ``f`` of ``T`` steps runs
-    steps ``floor(f T) + 1 .. T`` in BF16 (0.85 of 2,100: steps 1,786-2,100, the last 15%)."""
-    at = pc.schedule.bf16_from
-    if at is None or isinstance(at, bool):
-        return None
-    if isinstance(at, int):
-        return at if at >= 1 else None
-    total = schedule_total_steps(ds, pc)
-    return int(at * total + 1e-9) + 1 if total is not None and 0.0 < at < 1.0 else None
-
-
 #: DeepSpeed ZeRO-3 features that cannot be combined with ``weights.storage: "nvfp4"``, and why
 PACKED_STORAGE_CONFLICTS = {
     "zero_optimization.zero_quantized_weights": (
@@ -315,7 +288,7 @@ PACKED_STORAGE_CONFLICTS = {
 def _packed_storage_conflicts(ds: dict) -> list[Problem]:
     out = []
     for path, (bad, why) in PACKED_STORAGE_CONFLICTS.items():
-        if _get(ds, path) == bad:
+        if get_path(ds, path) == bad:
             out.append(Problem(path, f'{_show(bad)} cannot be combined with precision.weights.storage: "nvfp4": '
                                      f"{why}"))
     return out
@@ -374,14 +347,22 @@ def trainer_autos(ds: dict) -> tuple[dict, list[Problem]]:
 
 
 def top_level_warnings(ds: dict) -> list[Problem]:
-    """Near-misses of DeepSpeed keys or of ``precision`` (DeepSpeed ignores unknown keys silently)."""
+    """Near-misses of ``precision`` or of DeepSpeed's keys (DeepSpeed ignores unknown keys silently)."""
+    import ds_nvfp4_autohook
+
     known = sorted(DEEPSPEED_TOP_LEVEL_KEYS | {SECTION})
+    precision_like = set(ds_nvfp4_autohook.near_misses(ds)) if SECTION not in ds else set()
     out = []
     for key in ds:
         if key in DEEPSPEED_TOP_LEVEL_KEYS or key == SECTION or key.startswith("_"):
             continue
+        if key in precision_like:
+            out.append(Problem(key, f"unknown top-level key that looks like {SECTION!r}: DeepSpeed ignores it, so this "
+                                    "config trains WITHOUT NVFP4; rename it to 'precision'", severity="warning",
+                               code="near-miss"))
+            continue
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
         if close:
             out.append(Problem(key, f"unknown top-level key (DeepSpeed ignores it silently); did you mean "
-                                    f"{close[0]!r}?", severity="warning"))
+                                    f"{close[0]!r}?", severity="warning", code="near-miss"))
     return out

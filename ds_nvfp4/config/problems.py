@@ -8,12 +8,15 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class Problem:
-    """``path`` is a dotted JSON path (``precision.weights.storage``); ``allowed`` lists accepted values."""
+    """``path`` is a dotted JSON path (``precision.weights.storage``); ``allowed`` lists accepted values; ``code``
+    names a kind of problem a tool may treat specially (``"near-miss"``: an unknown top-level key that looks like a
+    known one, a warning at start-up and an error for ``ds-nvfp4 validate`` unless ``--allow-unknown``)."""
 
     path: str
     message: str
     allowed: tuple[str, ...] = ()
     severity: Literal["error", "warning", "note"] = "error"
+    code: str = ""
 
     def format(self, source: str | None = None) -> str:
         text = f"{self.path}: {self.message}"

@@ -32,7 +32,7 @@ class ActivationsConfig(StrictModel):
 
 class BackwardConfig(StrictModel):
     gemm: Literal["bf16", "nvfp4"] = Field(
-        "bf16", description="bf16: only forward GEMMs in FP4 (the mission's recipe); nvfp4: Dgrad/Wgrad in FP4 too")
+        "bf16", description="bf16: only forward GEMMs in FP4 (BF16 Dgrad/Wgrad); nvfp4: Dgrad/Wgrad in FP4 too")
     stochastic_rounding: bool = Field(True, description="stochastic rounding of gradients (gemm=nvfp4 only)")
     hadamard: bool = Field(True, description="RHT of the Wgrad operands along the token dim (gemm=nvfp4 only)")
 
@@ -103,6 +103,17 @@ class PrecisionConfig(StrictModel):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+
+    def describe_recipe(self) -> str:
+        """What the recipe does, in words (user-facing output names recipes by what they do, not by a label)."""
+        if self.backward.gemm == "nvfp4":
+            extras = [x for x, on in (("stochastic rounding", self.backward.stochastic_rounding),
+                                      ("RHT", self.backward.hadamard)) if on]
+            text = "FP4 forward and backward GEMMs" + (f" (gradients: {', '.join(extras)})" if extras else "")
+        else:
+            text = "FP4 forward GEMMs, BF16 backward"
+        return text + f", weights in {self.weights.block} blocks" + (
+            ", RHT on the forward operands" if self.activations.hadamard else "")
 
 
 #: What to write instead of ``"auto"``, per key (the default is the fallback suggestion).

@@ -3,7 +3,7 @@
 from .constants import BLOCK_SIZE, BLOCKS, E2M1_MAX, E2M1_VALUES, E4M3_MAX, RHT_SIGNS, ROUNDINGS
 from .hadamard import hadamard, inverse_hadamard, rht_matrix
 from .quantize import dequantize, quantize, quantize_values
-from .tensor import NVFP4Tensor
+from .storage import NVFP4Storage
 
 __all__ = [
     "BLOCKS",
@@ -13,7 +13,7 @@ __all__ = [
     "E4M3_MAX",
     "RHT_SIGNS",
     "ROUNDINGS",
-    "NVFP4Tensor",
+    "NVFP4Storage",
     "dequantize",
     "hadamard",
     "inverse_hadamard",

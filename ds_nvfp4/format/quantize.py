@@ -6,7 +6,7 @@ import torch
 
 from . import _kernels
 from .constants import BLOCK_SIZE, BLOCKS, ROUNDINGS
-from .tensor import NVFP4Tensor
+from .storage import NVFP4Storage
 
 
 def _check(x: torch.Tensor, block: str, rounding: str, amax: torch.Tensor | None) -> None:
@@ -45,7 +45,7 @@ def quantize(
     rounding: str = "nearest",
     amax: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
-) -> NVFP4Tensor:
+) -> NVFP4Storage:
     """Quantize ``x`` to NVFP4 with TE's two-level scaling, bit-compatible with TE >= 2.14.
 
     Args:
@@ -58,7 +58,7 @@ def quantize(
             pass the amax agreed across ranks). It must be >= max|x| for the codes not to saturate.
         generator: random source for stochastic rounding (default: torch's global generator).
     Returns:
-        An :class:`NVFP4Tensor`. Non-finite input (or amax) poisons the result: its amax is NaN and it
+        An :class:`NVFP4Storage`. Non-finite input (or amax) poisons the result: its amax is NaN and it
         dequantizes to NaN everywhere; ``result.nonfinite`` reports it without a device sync.
     """
     _check(x, block, rounding, amax)
@@ -75,7 +75,7 @@ def quantize(
     if block == "1x16":
         data = data.reshape(*shape[:-1], shape[-1] // 2)
         scale = scale.reshape(*shape[:-1], shape[-1] // BLOCK_SIZE)
-    return NVFP4Tensor(data=data, scale=scale, amax=used_amax, shape=torch.Size(shape), block=block)
+    return NVFP4Storage(data=data, scale=scale, amax=used_amax, shape=torch.Size(shape), block=block)
 
 
 def quantize_values(
@@ -85,13 +85,13 @@ def quantize_values(
     amax: torch.Tensor | None = None,
     dtype: torch.dtype = torch.bfloat16,
     keep_codes: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, NVFP4Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, NVFP4Storage | None]:
     """Quantize ``x`` (round to nearest even) straight to GEMM operand values, in one pass over ``x``.
 
     Args:
         x, block, amax: as for :func:`quantize` (``x`` 2-D ``[M, K]``).
         dtype: float32 or bfloat16; the values are exact in both.
-        keep_codes: also return the :class:`NVFP4Tensor` (codes and scales), e.g. to save for a backward pass.
+        keep_codes: also return the :class:`NVFP4Storage` (codes and scales), e.g. to save for a backward pass.
     Returns:
         ``(values, amax, tensor)``: ``dtype`` ``[M, K]`` equal to ``quantize(x, ...).block_values(dtype)``
         bit for bit, the float32 0-dim amax used (NaN if ``x`` held NaN/Inf), and the tensor or None.
@@ -102,10 +102,10 @@ def quantize_values(
     if not x.is_contiguous():
         x = x.contiguous()
     values, data, scale, used_amax = _kernels.quantize_operand(x, amax, block, dtype, keep_codes)
-    tensor = NVFP4Tensor(data=data, scale=scale, amax=used_amax, shape=x.shape, block=block) if keep_codes else None
+    tensor = NVFP4Storage(data=data, scale=scale, amax=used_amax, shape=x.shape, block=block) if keep_codes else None
     return values, used_amax, tensor
 
 
-def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize(t: NVFP4Storage, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Same as ``t.dequantize(dtype)``."""
     return t.dequantize(dtype)

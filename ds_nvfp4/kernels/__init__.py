@@ -10,10 +10,10 @@ from .select import (
     decide,
     fp4_tensor_cores,
     get_backend,
-    probe,
+    read_device,
     select,
 )
 
 __all__ = ["BackendUnavailable", "DeviceInfo", "GemmBackend", "Operand", "OperandChoice", "Selection", "availability",
            "decide",
-           "fp4_tensor_cores", "get_backend", "global_alpha", "operand_choice", "probe", "select"]
+           "fp4_tensor_cores", "get_backend", "global_alpha", "operand_choice", "read_device", "select"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format import NVFP4Tensor, quantize
+from ..format import NVFP4Storage, quantize
 from ..format.constants import GLOBAL_SCALE_NUMERATOR
 
 
@@ -28,7 +28,7 @@ class Operand:
     """
 
     amax: torch.Tensor
-    tensor: NVFP4Tensor | None = None
+    tensor: NVFP4Storage | None = None
     values: torch.Tensor | None = None
 
     @property
@@ -61,15 +61,15 @@ class GemmBackend(ABC):
         q = quantize(x, block=block, rounding=rounding, amax=amax)
         return Operand(q.amax, q, None)
 
-    def operand(self, q: NVFP4Tensor | Operand) -> Operand:
+    def operand(self, q: NVFP4Storage | Operand) -> Operand:
         """An already quantized tensor as this backend's operand."""
         return q if isinstance(q, Operand) else Operand(q.amax, q, None)
 
     @abstractmethod
-    def mm(self, a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    def mm(self, a: NVFP4Storage | Operand, b: NVFP4Storage | Operand, out_dtype: torch.dtype) -> torch.Tensor:
         """``a @ b.T`` as ``out_dtype`` ``[M, N]``: FP32 accumulation, both per-tensor decode scales applied."""
 
-    def linear(self, a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand, bias: torch.Tensor | None,
+    def linear(self, a: NVFP4Storage | Operand, b: NVFP4Storage | Operand, bias: torch.Tensor | None,
                out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, nonfinite)``: ``out_dtype(a @ b.T + bias)`` with the bias added to the FP32 result, and a bool
         0-dim tensor telling whether any output is NaN/Inf (no host sync)."""
@@ -80,16 +80,16 @@ class GemmBackend(ABC):
         return out, ~torch.isfinite(out).all()
 
 
-def codes(t: NVFP4Tensor | Operand) -> NVFP4Tensor:
+def codes(t: NVFP4Storage | Operand) -> NVFP4Storage:
     """The NVFP4 codes of an operand (what native FP4 GEMMs read)."""
-    if isinstance(t, NVFP4Tensor):
+    if isinstance(t, NVFP4Storage):
         return t
     if t.tensor is None:
         raise ValueError("this operand holds only emulated values; quantize it with keep_codes=True")
     return t.tensor
 
 
-def global_alpha(a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand) -> torch.Tensor:
+def global_alpha(a: NVFP4Storage | Operand, b: NVFP4Storage | Operand) -> torch.Tensor:
     """float32 0-dim ``amax_a * amax_b / 2688^2``: the product of the two per-tensor decode scales.
 
     cuBLASLt receives exactly this as ``alpha`` (the note: ``amax_A * amax_B / (36 * 448^2)``); every backend
@@ -100,7 +100,7 @@ def global_alpha(a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand) -> torch.Te
     return (a.amax * b.amax) * inv
 
 
-def check_operands(a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand) -> None:
+def check_operands(a: NVFP4Storage | Operand, b: NVFP4Storage | Operand) -> None:
     if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"FP4 GEMM needs a [M, K] and b [N, K] with the same K; got {tuple(a.shape)} and "
                          f"{tuple(b.shape)}")

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from ..format import NVFP4Tensor, _kernels, quantize, quantize_values
+from ..format import NVFP4Storage, _kernels, quantize, quantize_values
 from .base import GemmBackend, Operand, check_operands, global_alpha
 from .operand import operand_choice
 
@@ -63,17 +63,17 @@ class EmulatedBackend(GemmBackend):
         q = quantize(x, block=block, rounding=rounding, amax=amax)
         return Operand(q.amax, q, q.block_values(dtype))
 
-    def operand(self, q: NVFP4Tensor | Operand) -> Operand:
+    def operand(self, q: NVFP4Storage | Operand) -> Operand:
         if isinstance(q, Operand):
             if q.values is not None:
                 return q
             q = q.tensor
         return Operand(q.amax, q, q.block_values(self.operand_dtype(q.device)))
 
-    def mm(self, a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    def mm(self, a: NVFP4Storage | Operand, b: NVFP4Storage | Operand, out_dtype: torch.dtype) -> torch.Tensor:
         return self.linear(a, b, None, out_dtype)[0]
 
-    def linear(self, a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand, bias: torch.Tensor | None,
+    def linear(self, a: NVFP4Storage | Operand, b: NVFP4Storage | Operand, bias: torch.Tensor | None,
                out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         check_operands(a, b)
         a, b = self.operand(a), self.operand(b)

@@ -116,7 +116,7 @@ def decide(info: DeviceInfo, requested: str | None) -> Selection:
     raise AssertionError("emulated is always available")
 
 
-def probe(device: torch.device | str | None = None) -> DeviceInfo:
+def read_device(device: torch.device | str | None = None) -> DeviceInfo:
     """Read the capabilities of ``device`` (default: the current CUDA device if any, else CPU)."""
     dev = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
@@ -174,7 +174,7 @@ _logged: set[str] = set()
 
 def select(requested: str | None, device: torch.device | str | None = None, *, smoke: bool = True) -> Selection:
     """Choose the backend for this run (see module docstring); logs the decision once per process."""
-    info = probe(device)
+    info = read_device(device)
     sel = decide(info, requested)
     if smoke and sel.name != "emulated":
         smoke_test(sel.name, torch.device("cuda", torch.cuda.current_device()))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format import NVFP4Tensor
+from ..format import NVFP4Storage
 from .base import GemmBackend, Operand, check_operands, codes, global_alpha
 from .swizzle import ceil_to, swizzle_128x4
 
@@ -30,7 +30,7 @@ class ScaledMMArgs:
     n: int                 # real N (columns beyond it are padding)
 
 
-def _padded(t: NVFP4Tensor, rows_to: int, k_to: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded(t: NVFP4Storage, rows_to: int, k_to: int) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = t.shape
     data = t.data.reshape(m, k // 2)
     scale = t.rowwise_scale()
@@ -43,7 +43,7 @@ def _padded(t: NVFP4Tensor, rows_to: int, k_to: int) -> tuple[torch.Tensor, torc
     return d, s.view(torch.float8_e4m3fn)
 
 
-def build_scaled_mm_args(a: NVFP4Tensor, b: NVFP4Tensor) -> ScaledMMArgs:
+def build_scaled_mm_args(a: NVFP4Storage, b: NVFP4Storage) -> ScaledMMArgs:
     check_operands(a, b)
     m, k = a.shape
     n = b.shape[0]
@@ -64,7 +64,7 @@ def build_scaled_mm_args(a: NVFP4Tensor, b: NVFP4Tensor) -> ScaledMMArgs:
 class TorchNativeBackend(GemmBackend):
     name = "torch"
 
-    def mm(self, a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    def mm(self, a: NVFP4Storage | Operand, b: NVFP4Storage | Operand, out_dtype: torch.dtype) -> torch.Tensor:
         args = build_scaled_mm_args(codes(a), codes(b))
         out = torch._scaled_mm(args.a, args.b, args.scale_a, args.scale_b, out_dtype=torch.float32)
         return (out[:, : args.n] * args.alpha).to(out_dtype)

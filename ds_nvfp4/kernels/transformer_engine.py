@@ -1,27 +1,58 @@
 """`transformer_engine`: Transformer Engine's NVFP4 GEMM (cuBLASLt) on sm_100+, when TE is installed.
 
-Our NVFP4Tensor bits are TE's bits (docs/format.md), so the operands are wrapped in TE's own storage class
-without re-quantizing and handed to ``general_gemm`` in TN layout. TE's Python API moves between releases: the
-storage class is looked up under its 2.8+ and 2.x-early names, and ``general_gemm`` is called with keywords
-only; ``kernels.select`` runs a smoke GEMM against ``emulated`` before accepting this backend, so an API
-mismatch is an error at start-up, never a wrong result mid-run.
+Our NVFP4Storage bits are TE's bits (docs/format.md), so the operands are wrapped in TE's own storage class without
+re-quantizing (a TE quantizer would re-derive the scales from dequantized values, which is not guaranteed to give the
+same codes) and handed to ``general_gemm`` in TN layout. TE's Python API moves between releases; this backend
+follows the signatures of :data:`TESTED_RANGE`, read from TE's source (tags v2.8 to v2.18 and main at 2.20.0.dev0):
+
+* the storage class: ``transformer_engine.pytorch.tensor._internal.nvfp4_tensor_base.NVFP4TensorBase`` in 2.8,
+  ``...tensor.storage.nvfp4_tensor_storage.NVFP4TensorStorage`` from 2.9 on;
+* its constructor: ``rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv, amax_rowwise,
+  amax_columnwise, fp4_dtype, quantizer`` in 2.8-2.11, plus the required ``with_gemm_swizzled_scales`` from 2.12
+  (False here: the scales are padded row-major, and TE's GEMM swizzles them itself), then optional keywords
+  (``fake_dtype`` 2.14, ``row_scaled_nvfp4`` 2.16, ``nvfp4_use_4over6`` / ``nvfp4_e4m3_max`` 2.17) left at their
+  defaults;
+* ``general_gemm(A, B, workspace, ...)`` in 2.8-2.9, ``general_gemm(A, B, ...)`` from 2.10.
+
+:func:`storage_kwargs` and :func:`gemm_kwargs` build the call from the installed signature (tested on CPU against
+each of those signatures); ``kernels.select`` still runs a smoke GEMM against ``emulated`` before accepting this
+backend, so a mismatch is an error at start-up, never a wrong result mid-run. Never run on Blackwell hardware yet.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Mapping
 
 import torch
+from packaging.version import Version
 
-from ..format import NVFP4Tensor
+from ..format import NVFP4Storage
 from .base import GemmBackend, Operand, check_operands, codes
 from .swizzle import pad_scales
 
+#: the Transformer Engine releases whose signatures this backend follows (lower inclusive, upper exclusive)
+TESTED_RANGE = (Version("2.8"), Version("2.21"))
 
-def _storage_class():
-    for mod, cls in (("transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage", "NVFP4TensorStorage"),
-                     ("transformer_engine.pytorch.tensor._internal.nvfp4_tensor_base", "NVFP4TensorBase")):
+#: where each TE release keeps the NVFP4 storage class (2.8, then 2.9+)
+STORAGE_CLASSES = (("transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage", "NVFP4TensorStorage"),
+                   ("transformer_engine.pytorch.tensor._internal.nvfp4_tensor_base", "NVFP4TensorBase"))
+
+
+def in_tested_range(version: str | None) -> bool | None:
+    """Whether a TE version string lies in :data:`TESTED_RANGE` (None when TE is not installed)."""
+    if version is None:
+        return None
+    try:
+        v = Version(version.split("+")[0])
+    except Exception:
+        return False
+    return TESTED_RANGE[0] <= Version(v.base_version) < TESTED_RANGE[1]
+
+
+def storage_class():
+    for mod, cls in STORAGE_CLASSES:
         try:
             return getattr(importlib.import_module(mod), cls)
         except (ImportError, AttributeError):
@@ -29,36 +60,57 @@ def _storage_class():
     raise ImportError("this Transformer Engine has neither NVFP4TensorStorage nor NVFP4TensorBase")
 
 
-def _to_te(t: NVFP4Tensor):
+def storage_kwargs(params: Mapping[str, inspect.Parameter], t: NVFP4Storage, fp4_dtype) -> dict:
+    """Keyword arguments of TE's storage constructor for ``t`` (rowwise only), for the constructor whose parameters
+    are ``params``. Raises TypeError when a required parameter is one this backend does not know."""
+    m, k = t.shape
+    # TE keeps amax and a padded (not swizzled) [roundup(M,128), roundup(K/16,4)] uint8 scale array
+    kwargs = {"rowwise_data": t.data.reshape(m, k // 2),
+              "rowwise_scale_inv": pad_scales(t.rowwise_scale()).view(torch.uint8),
+              "columnwise_data": None, "columnwise_scale_inv": None,
+              "amax_rowwise": t.amax.reshape(1), "amax_columnwise": None,
+              "fp4_dtype": fp4_dtype, "quantizer": None}
+    if "with_gemm_swizzled_scales" in params:
+        kwargs["with_gemm_swizzled_scales"] = False
+    unknown = [n for n, p in params.items() if n not in kwargs and n not in ("cls", "self", "args", "kwargs")
+               and p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if unknown:
+        raise TypeError(f"Transformer Engine's NVFP4 storage needs {', '.join(unknown)}, which ds_nvfp4 does not "
+                        f"know (tested with TE {TESTED_RANGE[0]} <= v < {TESTED_RANGE[1]})")
+    return kwargs
+
+
+def gemm_kwargs(params: Mapping[str, inspect.Parameter], workspace) -> dict:
+    """Keyword arguments of ``general_gemm`` besides A and B: FP32 output, TN layout, and the workspace where the
+    signature still takes one (2.8-2.9). ``workspace`` is called only then."""
+    kwargs = {"out_dtype": torch.float32, "layout": "TN"}
+    if "workspace" in params:
+        kwargs["workspace"] = workspace()
+    return kwargs
+
+
+def _to_te(t: NVFP4Storage):
     import transformer_engine_torch as tex
 
-    m, k = t.shape
-    # TE keeps amax and a padded (not yet swizzled) [roundup(M,128), roundup(K/16,4)] uint8 scale array.
-    return _storage_class()(
-        rowwise_data=t.data.reshape(m, k // 2),
-        rowwise_scale_inv=pad_scales(t.rowwise_scale()).view(torch.uint8),
-        columnwise_data=None,
-        columnwise_scale_inv=None,
-        amax_rowwise=t.amax.reshape(1),
-        amax_columnwise=None,
-        fp4_dtype=tex.DType.kFloat4E2M1,
-        quantizer=None,
-    )
+    cls = storage_class()
+    return cls(**storage_kwargs(inspect.signature(cls.__new__).parameters, t, tex.DType.kFloat4E2M1))
+
+
+def _workspace():
+    from transformer_engine.pytorch.module.base import get_workspace
+
+    return get_workspace()
 
 
 class TransformerEngineBackend(GemmBackend):
     name = "transformer_engine"
 
-    def mm(self, a: NVFP4Tensor | Operand, b: NVFP4Tensor | Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    def mm(self, a: NVFP4Storage | Operand, b: NVFP4Storage | Operand, out_dtype: torch.dtype) -> torch.Tensor:
         a, b = codes(a), codes(b)
         check_operands(a, b)
         from transformer_engine.pytorch.cpp_extensions import general_gemm
 
-        kwargs = {"out_dtype": torch.float32, "layout": "TN"}
-        if "workspace" in inspect.signature(general_gemm).parameters:
-            from transformer_engine.pytorch.module.base import get_workspace
-
-            kwargs["workspace"] = get_workspace()
+        kwargs = gemm_kwargs(inspect.signature(general_gemm).parameters, _workspace)
         # TE computes D = B @ A^T for layout TN with A the weight-like operand: A=b [N,K], B=a [M,K].
         out = general_gemm(_to_te(b), _to_te(a), **kwargs)
         out = out[0] if isinstance(out, (tuple, list)) else out

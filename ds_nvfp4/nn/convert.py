@@ -9,9 +9,11 @@ from torch import nn
 
 from ..config import PrecisionConfig
 from ..kernels import Selection, select
+from .blocks import Blocks, find_blocks
 from .linear import NVFP4Linear
 from .recipe import Recipe
 from .report import ConversionReport, LayerDecision
+from .weights import FusedGroup
 
 log = logging.getLogger("ds_nvfp4")
 
@@ -29,26 +31,6 @@ def _matches(name: str, pattern: str) -> bool:
     """fnmatch against the full dotted name or any dotted suffix of it ("lm_head" matches "model.lm_head")."""
     parts = name.split(".")
     return any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts)))
-
-
-def find_blocks(model: nn.Module) -> tuple[str, int] | None:
-    """The repeated transformer blocks: the longest ``nn.ModuleList`` (>= 2) whose children share one type."""
-    best = None
-    for name, m in model.named_modules():
-        same_type = isinstance(m, nn.ModuleList) and len(m) >= 2 and len({type(c) for c in m}) == 1
-        if same_type and (best is None or len(m) > best[1]):
-            best = (name, len(m))
-    return best
-
-
-def _block_index(name: str, blocks: tuple[str, int] | None) -> int | None:
-    if blocks is None:
-        return None
-    prefix = f"{blocks[0]}." if blocks[0] else ""
-    if not name.startswith(prefix):
-        return None
-    head = name[len(prefix):].split(".", 1)[0]
-    return int(head) if head.isdigit() else None
 
 
 def _fuse(model: nn.Module, report: ConversionReport, groups: list[list[str]]) -> None:
@@ -72,17 +54,18 @@ def _fuse(model: nn.Module, report: ConversionReport, groups: list[list[str]]) -
                                         "engines fuse them into one GEMM of one precision; exclude all or none")
                 continue
             report.fused_groups.append(members)
-            mods = [model.get_submodule(m) for m in members]
-            for m in mods:
-                m.fused_peers = tuple(o for o in mods if o is not m)
+            group = FusedGroup([model.get_submodule(m) for m in members])
+            for m in group.layers:
+                m.weight_codes.group = group
 
 
 def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, selection: Selection | None = None,
-                  device=None) -> ConversionReport:
+                  device=None, blocks: Blocks | None = None) -> ConversionReport:
     """Convert ``model`` in place per ``precision.modules`` and return the report.
 
     Call it before ``deepspeed.initialize`` (``ds_nvfp4.initialize`` does). Parameters keep their identity, so
-    optimizers, state_dict keys and ZeRO-3 partitioned parameters are unaffected.
+    optimizers, state_dict keys and ZeRO-3 partitioned parameters are unaffected. ``blocks``: the model's
+    transformer blocks when :func:`find_blocks` cannot see them (a pipeline stage: engine/pipeline.py).
 
     Raises:
         ValueError: ``keep_first/last_blocks_bf16`` asks for blocks the model does not have.
@@ -92,18 +75,17 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
     sel = selection or select(pc.kernel, device)
     recipe = Recipe.from_config(pc, sel.name)
     mods = pc.modules
-    blocks = find_blocks(model)
+    blocks = blocks or find_blocks(model)
     report = ConversionReport(kernel=sel.name, kernel_reason=sel.reason + (f"; {sel.operand}" if sel.operand else ""),
-                              blocks=f"{blocks[0] or '<root>'} ({blocks[1]} x "
-                                     f"{type(model.get_submodule(blocks[0])[0]).__name__})" if blocks else None)
+                              blocks=blocks.describe() if blocks else None)
     first, last = mods.keep_first_blocks_bf16, mods.keep_last_blocks_bf16
     if (first or last) and blocks is None:
         raise ValueError("precision.modules.keep_first_blocks_bf16/keep_last_blocks_bf16 are set, but the model has "
                          "no repeated transformer blocks (no nn.ModuleList of >= 2 children of one type); set both "
                          "to 0 and use modules.exclude patterns instead")
-    if blocks and first + last > blocks[1]:
+    if blocks and first + last > blocks.count:
         raise ValueError(f"precision.modules: keep_first_blocks_bf16 ({first}) + keep_last_blocks_bf16 ({last}) is "
-                         f"more than the model's {blocks[1]} blocks")
+                         f"more than the model's {blocks.count} blocks")
     if blocks is None:
         report.notes.append("no repeated transformer blocks found (no nn.ModuleList of same-type children)")
 
@@ -122,7 +104,7 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
         weight_name = f"{name}.weight"
         shared = [o for o in owners.get(id(m.weight), []) if o != weight_name]
         excl = next((p for p in mods.exclude if _matches(name, p)), None)
-        idx = _block_index(name, blocks)
+        idx = blocks.index_of(name) if blocks else None
         if isinstance(m, NVFP4Linear):
             fp4, reason = True, "already NVFP4Linear"
         elif name in mha_children:
@@ -135,9 +117,9 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
         elif not any(_matches(name, p) for p in mods.include):
             fp4, reason = False, f"not matched by modules.include {mods.include}"
         elif idx is not None and idx < first:
-            fp4, reason = False, f"in block {idx} of {blocks[1]} (keep_first_blocks_bf16={first})"
-        elif idx is not None and idx >= blocks[1] - last:
-            fp4, reason = False, f"in block {idx} of {blocks[1]} (keep_last_blocks_bf16={last})"
+            fp4, reason = False, f"in block {idx} of {blocks.count} (keep_first_blocks_bf16={first})"
+        elif idx is not None and idx >= blocks.count - last:
+            fp4, reason = False, f"in block {idx} of {blocks.count} (keep_last_blocks_bf16={last})"
         elif n_in % 16:
             fp4, reason = False, f"in_features={n_in} is not a multiple of 16 (NVFP4 blocks run along K)"
         elif recipe.weight_block == "16x16" and n_out % 16:

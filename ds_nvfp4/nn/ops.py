@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..format import NVFP4Tensor, hadamard, inverse_hadamard
+from ..format import NVFP4Storage, hadamard, inverse_hadamard
 from ..kernels import Operand, get_backend
 from .recipe import Recipe
 
@@ -66,7 +66,7 @@ def _linear_fwd(x, weight, bias, weight_amax, recipe: str, out_dtype: torch.dtyp
     r = Recipe.decode(recipe)
     backend = get_backend(r.kernel)
     if w_data is not None:
-        wq = NVFP4Tensor(w_data, w_scale, w_amax, torch.Size(weight.shape), r.weight_block)
+        wq = NVFP4Storage(w_data, w_scale, w_amax, torch.Size(weight.shape), r.weight_block)
         wo = backend.operand(wq)
         stored = (w_data.new_empty(0), w_scale.new_empty(0), w_amax.new_empty(0))
     else:
@@ -110,7 +110,7 @@ def linear_bwd(grad: torch.Tensor, x: torch.Tensor, w_data: torch.Tensor, w_scal
 def _linear_bwd(grad, x, w_data, w_scale, w_amax, recipe: str, x_dtype, w_dtype, need_dx, need_dw, need_db):
     r = Recipe.decode(recipe)
     n, k = w_data.shape[0], w_data.shape[1] * 2
-    wq = NVFP4Tensor(w_data, w_scale, w_amax, torch.Size((n, k)), r.weight_block)
+    wq = NVFP4Storage(w_data, w_scale, w_amax, torch.Size((n, k)), r.weight_block)
     backend = get_backend(r.kernel)
     # an unneeded gradient is a fresh empty tensor: custom-op outputs must not alias each other
     dx, dw, db = grad.new_empty(0), grad.new_empty(0), grad.new_empty(0)

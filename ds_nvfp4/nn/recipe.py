@@ -13,7 +13,7 @@ class Recipe:
     Attributes:
         weight_block: "16x16" or "1x16" (weights); activations are always 1x16 with a dynamic amax.
         act_hadamard: RHT of both forward GEMM operands along K.
-        backward_gemm: "bf16" (Dgrad/Wgrad in BF16, the mission's recipe) or "nvfp4" (the paper's).
+        backward_gemm: "bf16" (Dgrad/Wgrad in BF16: FP4 forward only) or "nvfp4" (FP4 Dgrad/Wgrad too).
         stochastic_rounding: SR of the gradient operands (backward_gemm == "nvfp4" only).
         backward_hadamard: RHT of both Wgrad operands along the token dim (backward_gemm == "nvfp4" only).
         kernel: the GEMM backend name (``kernels.select`` decides it once per run).

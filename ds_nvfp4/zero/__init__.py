@@ -1,8 +1,9 @@
-"""Everything that touches DeepSpeed ZeRO internals (the version guard is in guard.py)."""
+"""Everything that touches DeepSpeed ZeRO internals; every DeepSpeed name it uses is declared in seams.py."""
 
-from .guard import UnsupportedDeepSpeed, check_version
+from .optimizer import install
+from .packed import PackedPartitions, StorageReport
 from .partition import PartitionLayout, partition_layout
-from .store import NVFP4Store, StorageReport, install
+from .seams import SEAMS, UnsupportedDeepSpeed, check_version
 
-__all__ = ["NVFP4Store", "PartitionLayout", "StorageReport", "UnsupportedDeepSpeed", "check_version", "install",
-           "partition_layout"]
+__all__ = ["SEAMS", "PackedPartitions", "PartitionLayout", "StorageReport", "UnsupportedDeepSpeed", "check_version",
+           "install", "partition_layout"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format import NVFP4Tensor, quantize
+from ..format import NVFP4Storage, quantize
 from ..format.constants import BLOCK_SIZE
 
 
@@ -46,11 +46,11 @@ def partition_layout(shape: tuple[int, int], partition_numel: int, world_size: i
     return PartitionLayout(True, p // k, k)
 
 
-def pack_partition(flat: torch.Tensor, layout: PartitionLayout, block: str, amax: torch.Tensor) -> NVFP4Tensor:
+def pack_partition(flat: torch.Tensor, layout: PartitionLayout, block: str, amax: torch.Tensor) -> NVFP4Storage:
     """Quantize a flat FP32/BF16 partition ``[P]`` with the global ``amax`` (float32 0-dim)."""
     return quantize(flat.reshape(layout.rows, layout.cols), block=block, amax=amax)
 
 
-def unpack_partition(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def unpack_partition(q: NVFP4Storage, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Flat ``[P]`` dequantized partition."""
     return q.dequantize(dtype).reshape(-1)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_nvfp4.data.shakespeare import prepare_text
+from ds_nvfp4.evaluation.data import prepare_text
 from tests.cluster.hosts import Cluster, Host, requirements
 from tests.cluster.slurm import TOOLS as SLURM_TOOLS
 from tests.cluster.slurm import SlurmCluster

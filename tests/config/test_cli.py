@@ -72,15 +72,30 @@ def test_usage_error_is_exit_2() -> None:
     assert cli("no-such-command").returncode == 2
 
 
-def test_json_output(tmp_path: Path) -> None:
+def test_json_output_and_near_misses_fail_unless_allowed(tmp_path: Path) -> None:
     d = json.loads(PRESETS[0].read_text())
     d["zero_optimisation"] = {"stage": 3}
     f = write(tmp_path, "warn.json", json.dumps(d))
     r = cli("validate", "--json", "--no-deepspeed", f)
     out = json.loads(r.stdout)
-    assert r.returncode == 0 and out["valid"] is True and out["exit_code"] == 0
-    (probe,) = out["files"][0]["problems"]
-    assert probe["severity"] == "warning" and probe["path"] == "zero_optimisation"
+    assert r.returncode == 1 and out["valid"] is False and out["exit_code"] == 1
+    (problem,) = out["files"][0]["problems"]
+    assert problem["severity"] == "error" and problem["path"] == "zero_optimisation"
+    assert problem["code"] == "near-miss" and "--allow-unknown" in problem["message"]
+    r = cli("validate", "--json", "--no-deepspeed", "--allow-unknown", f)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["valid"] is True and out["files"][0]["problems"][0]["severity"] == "warning"
+
+
+@pytest.mark.parametrize("key", ["precison", "Precision", "precision_config"])
+def test_a_misspelt_precision_section_fails_validate(tmp_path: Path, key: str) -> None:
+    """Without a ``precision`` key DeepSpeed trains BF16 and ignores the typo: validate must not say ok."""
+    d = json.loads((PRESETS[0].parent / "nvfp4_zero3.json").read_text())
+    d[key] = d.pop("precision")
+    f = write(tmp_path, "typo.json", json.dumps(d))
+    r = cli("validate", "--no-deepspeed", f)
+    assert r.returncode == 1 and f"{f}: {key}: " in r.stderr and "WITHOUT NVFP4" in r.stderr, r.stderr
+    assert cli("validate", "--no-deepspeed", "--allow-unknown", f).returncode == 0
 
 
 def test_deepspeed_own_checks_catch_deepspeed_errors(tmp_path: Path) -> None:

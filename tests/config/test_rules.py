@@ -62,7 +62,7 @@ def test_schedule_rules(schedule: dict, extra: dict, path: str, needle: str) -> 
 
 
 def test_schedule_fraction_resolves_against_total_steps_or_deepspeeds_scheduler() -> None:
-    from ds_nvfp4.config.checks import first_late_bf16_step
+    from ds_nvfp4.config.schedule import first_late_bf16_step
 
     d = cfg(schedule={"bf16_from": 0.85, "total_steps": 2100})
     assert errors(d) == [] and first_late_bf16_step(d, load_config(d)[1]) == 1786  # the last 315 steps (15%)
@@ -74,7 +74,7 @@ def test_schedule_fraction_resolves_against_total_steps_or_deepspeeds_scheduler(
 
 
 def test_schedule_phases_and_fp4_share() -> None:
-    from ds_nvfp4.schedule import SchedulePlan
+    from ds_nvfp4.config.schedule import SchedulePlan
 
     pc = load_config(cfg(schedule={"bf16_warmup_steps": 2, "bf16_from": 9}, backward={"gemm": "nvfp4"}))[1]
     plan = SchedulePlan.from_config(pc, {})

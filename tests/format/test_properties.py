@@ -39,7 +39,7 @@ def test_encode_decode_every_code() -> None:
     assert torch.equal(e2m1.encode_rne(e2m1.decode(codes)), codes)
 
 
-def _normal_scales(q: ds_nvfp4.NVFP4Tensor, x: torch.Tensor) -> bool:
+def _normal_scales(q: ds_nvfp4.NVFP4Storage, x: torch.Tensor) -> bool:
     """Every block scale is a normal E4M3 number, or zero for an all-zero block."""
     s = q.rowwise_scale().to(torch.float32)
     block_max = x.abs().reshape(x.shape[0], -1, 16).amax(-1)

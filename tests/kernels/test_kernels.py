@@ -106,9 +106,9 @@ def test_select_on_this_machine() -> None:
                     reason="needs a Blackwell GPU (sm_100+) for the native FP4 GEMM; elsewhere only emulation exists")
 @pytest.mark.parametrize("name", ["torch", "transformer_engine"])
 def test_native_backends_match_emulation(name: str) -> None:
-    from ds_nvfp4.kernels.select import availability, probe
+    from ds_nvfp4.kernels.select import availability, read_device
 
-    ok, why = availability(probe())[name]
+    ok, why = availability(read_device())[name]
     if not ok:
         pytest.skip(why)
     a = ds_nvfp4.quantize(torch.randn(256, 512, device="cuda"))

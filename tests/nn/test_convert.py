@@ -127,10 +127,10 @@ def test_fused_groups_share_one_weight_amax_in_the_forward() -> None:
     rep = ds_nvfp4.convert_model(m, {"enabled": True, "modules": {"exclude": ["layers.1.v_proj"]}})
     assert rep.fused_groups == [["gate_proj", "up_proj"], ["layers.0.q_proj", "layers.0.k_proj", "layers.0.v_proj"]]
     assert any("layers.1.q_proj, layers.1.k_proj, layers.1.v_proj mixes NVFP4 and BF16" in n for n in rep.notes)
-    assert m.layers[1].q_proj.fused_peers == ()
+    assert m.layers[1].q_proj.weight_codes.group is None
     assert "2 fused groups" in rep.table()
     q, k = m.layers[0].q_proj, m.layers[0].k_proj
-    assert torch.equal(q.shared_weight_amax(), k.weight.abs().max())
+    assert torch.equal(q.weight_codes.amax(), k.weight.abs().max())
     x = torch.randn(4, 32)
     from ds_nvfp4.nn.ops import fp4_linear
 

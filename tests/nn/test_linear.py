@@ -212,15 +212,13 @@ def test_tracked_statistics_hold_no_autograd_graph() -> None:
 
 
 def test_weight_cache_reuses_codes_until_the_weight_changes() -> None:
-    """Off by default (no engine to say when weights change): one quantization per forward. On: reused within a
-    generation, redone after an in-place change through the parameter or ``invalidate_weight_caches``."""
-    from ds_nvfp4.nn.linear import invalidate_weight_caches
-
+    """Off by default (no engine to say when weights change): one quantization per forward. On: reused until an
+    in-place change through the parameter or ``WeightCodes.invalidate`` (what the engine calls after a step)."""
     lin = make()
     x = torch.randn(8, 64)
     lin(x), lin(x)
     assert lin.weight_quantizations == 2
-    lin.cache_weight = True
+    lin.weight_codes.cache = True
     first = lin(x)
     again = lin(x)
     assert lin.weight_quantizations == 3 and torch.equal(first, again)
@@ -228,6 +226,32 @@ def test_weight_cache_reuses_codes_until_the_weight_changes() -> None:
         lin.weight.mul_(2.0)  # bumps the parameter's version counter
     changed = lin(x)
     assert lin.weight_quantizations == 4 and not torch.equal(changed, first)
-    invalidate_weight_caches()
+    lin.weight_codes.invalidate()
     lin(x)
     assert lin.weight_quantizations == 5
+    other = make()  # another layer's invalidation (another engine's step) leaves this cache alone
+    other.weight_codes.invalidate()
+    lin(x)
+    assert lin.weight_quantizations == 5
+
+
+def test_gathered_codes_are_used_until_the_weight_changes_in_place() -> None:
+    """The packed ZeRO-3 storage offers the codes it gathered (``all_gather: "nvfp4"``); the forward uses them while
+    the gathered weight is unchanged, and quantizes the weight again after an in-place change through the
+    parameter (e.g. inside ``GatheredParameters(modifier_rank=0)``)."""
+    from ds_nvfp4.nn.ops import fp4_linear
+
+    lin = make()
+    x = torch.randn(8, 64)
+    doubled = ds_nvfp4.quantize(2 * lin.weight.detach(), block="16x16")  # codes of another weight: visible if used
+    lin.weight_codes.offer_gathered(lin.weight, (doubled.data, doubled.scale, doubled.amax))
+    used = lin(x)
+    assert torch.equal(used, fp4_linear(x, 2 * lin.weight.detach(), lin.bias, lin.recipe))
+    assert lin.weight_quantizations == 0
+    with torch.no_grad():
+        lin.weight[0, :16] = 0.5
+    changed = lin(x)
+    assert lin.weight_quantizations == 1
+    assert torch.equal(changed, fp4_linear(x, lin.weight, lin.bias, lin.recipe))
+    lin.weight_codes.drop_gathered()
+    assert lin.weight_codes.reuse(lin.weight) is None

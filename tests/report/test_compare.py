@@ -77,6 +77,19 @@ def test_inconclusive_when_the_interval_straddles_the_threshold(tmp_path: Path) 
     assert crit["ci"][0] < 0.01 < crit["ci"][1]
 
 
+def test_the_validation_loss_interval_is_paired_over_batches(tmp_path: Path) -> None:
+    """Both runs evaluate the same held-out batches, whose losses differ far more between batches than between runs:
+    resampled in pairs the interval is set by the consistent 0.5% gap; resampled independently it would be ~100x
+    wider and straddle the 1% threshold."""
+    wide = list(np.random.default_rng(2).normal(2.5, 0.5, 32))
+    a = make_run(tmp_path / "bf16", wide)
+    b = make_run(tmp_path / "nvfp4", [v * 1.005 for v in wide])
+    r = run(str(a), str(b))
+    crit = json.loads((b / "report.json").read_text())["criteria"][0]
+    assert r.returncode == 0 and crit["verdict"] == "pass", (r.stdout, crit)
+    assert crit["ci"][1] - crit["ci"][0] < 1e-3 and crit["ci"][0] <= 0.005 <= crit["ci"][1], crit["ci"]
+
+
 def test_downstream_criterion(tmp_path: Path) -> None:
     a = make_run(tmp_path / "bf16", BASE, finetune=[0.50, 0.51, 0.505, 0.502])
     b = make_run(tmp_path / "nvfp4", [v * 1.001 for v in BASE], finetune=[0.499, 0.508, 0.504, 0.500])
@@ -129,7 +142,7 @@ def test_too_few_seeds_is_inconclusive(tmp_path: Path) -> None:
 def _write_per_example(run_dir: Path, correct: np.ndarray, **extra) -> None:
     import torch
 
-    from ds_nvfp4.finetune import pack_correct
+    from ds_nvfp4.evaluation.finetune import pack_correct
 
     res = {"task": "wordnet", "seeds": list(range(len(correct))), "accuracy": correct.mean(1).tolist(),
            "steps": 400, "batch": 32, "lr": 3e-4, "test_examples": correct.shape[1], "test_sha256": "t",
@@ -141,8 +154,8 @@ def _write_per_example(run_dir: Path, correct: np.ndarray, **extra) -> None:
 def test_per_example_results_round_trip() -> None:
     import torch
 
-    from ds_nvfp4.finetune import pack_correct
-    from ds_nvfp4.report.compare import unpack_correct
+    from ds_nvfp4.evaluation.acceptance import unpack_correct
+    from ds_nvfp4.evaluation.finetune import pack_correct
 
     for n in (1, 7, 8, 9, 1001):
         bits = np.random.default_rng(n).random(n) < 0.3
@@ -185,7 +198,7 @@ def test_downstream_refuses_different_test_sets(tmp_path: Path) -> None:
 def _write_probe(run_dir: Path, correct: np.ndarray, **over) -> None:
     import torch
 
-    from ds_nvfp4.finetune import pack_correct
+    from ds_nvfp4.evaluation.finetune import pack_correct
 
     res = {"task": "wordnet", "examples": len(correct), "folds": 5, "seq": 64, "l2": 1e-3, "iterations": 100,
            "examples_sha256": "s", "features": "f", "accuracy": float(correct.mean()),

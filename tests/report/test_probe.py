@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_nvfp4.probe import cross_fitted
+from ds_nvfp4.evaluation.linear_probe import cross_fitted
 
 
 def test_cross_fitting_never_predicts_an_example_with_a_probe_that_saw_it() -> None:
@@ -27,7 +27,7 @@ def test_linearly_separable_labels_are_learned() -> None:
 
 
 class _TinyGPT(torch.nn.Module):
-    """The attributes :func:`ds_nvfp4.probe.features` reads (embed, pos, blocks, ln_f), at toy size."""
+    """The attributes :func:`linear_probe.features` reads (embed, pos, blocks, ln_f), at toy size."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -40,7 +40,7 @@ class _TinyGPT(torch.nn.Module):
 def test_features_are_cached_per_checkpoint_and_examples(tmp_path) -> None:
     import os
 
-    from ds_nvfp4.probe import cached_features
+    from ds_nvfp4.evaluation.linear_probe import cached_features
 
     (tmp_path / "ckpt").mkdir()
     latest = tmp_path / "ckpt" / "latest"

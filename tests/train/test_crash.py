@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_nvfp4.data.shakespeare import prepare_text
+from ds_nvfp4.evaluation.data import prepare_text
 from ds_nvfp4.zero.shm import remove_stale_workspaces
 from tests.integrations.hf_run import env
 from tests.zero.harness import ROOT, free_port

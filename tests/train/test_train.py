@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_nvfp4.data.shakespeare import prepare_text
+from ds_nvfp4.evaluation.data import prepare_text
 from tests.zero.harness import ROOT, spawn_ranks
 
 pytestmark = pytest.mark.slow
@@ -123,7 +123,7 @@ def pretrained(data: Path, tmp_path_factory) -> Path:
 
 
 def test_finetune_writes_per_seed_accuracies(pretrained: Path) -> None:
-    from ds_nvfp4.finetune import finetune, wordnet_examples
+    from ds_nvfp4.evaluation.finetune import finetune, wordnet_examples
 
     run = pretrained
     examples = wordnet_examples(ROOT / "tests" / "fixtures" / "wordnet")  # a 1/400 sample of Debian's wordnet-base
@@ -134,7 +134,7 @@ def test_finetune_writes_per_seed_accuracies(pretrained: Path) -> None:
     again = finetune(run, "wordnet", seeds=(0,), steps=10, batch=16, data=examples, progress=False)
     assert again["accuracy"][0] == res["accuracy"][0]  # same seed, same recipe: same number
     # per-example results: the whole test split by default, consistent with the accuracy
-    from ds_nvfp4.report.compare import unpack_correct
+    from ds_nvfp4.evaluation.acceptance import unpack_correct
 
     assert res["test_examples"] == len(examples[1]) and len(res["correct"]) == 2
     for acc, bits in zip(res["accuracy"], res["correct"]):
@@ -142,9 +142,9 @@ def test_finetune_writes_per_seed_accuracies(pretrained: Path) -> None:
 
 
 def test_linear_probe_is_a_deterministic_function_of_the_checkpoint(pretrained: Path) -> None:
-    from ds_nvfp4.finetune import wordnet_examples
-    from ds_nvfp4.probe import probe
-    from ds_nvfp4.report.compare import unpack_correct
+    from ds_nvfp4.evaluation.acceptance import unpack_correct
+    from ds_nvfp4.evaluation.finetune import wordnet_examples
+    from ds_nvfp4.evaluation.linear_probe import probe
 
     examples = wordnet_examples(ROOT / "tests" / "fixtures" / "wordnet")
     a = probe(pretrained, examples=240, folds=4, iterations=30, data=examples, progress=False)
@@ -156,7 +156,7 @@ def test_linear_probe_is_a_deterministic_function_of_the_checkpoint(pretrained: 
 
 
 def test_finetune_learning_rate_schedule() -> None:
-    from ds_nvfp4.finetune import lr_at
+    from ds_nvfp4.evaluation.finetune import lr_at
 
     lrs = [lr_at(s, 100, 1.0) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and max(lrs) == pytest.approx(1.0)

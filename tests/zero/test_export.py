@@ -39,13 +39,13 @@ def test_bf16_export_is_what_the_forward_multiplied(checkpoint: Path, tmp_path: 
 
 @pytest.fixture(scope="module")
 def masters(checkpoint: Path) -> tuple[dict, dict]:
-    from ds_nvfp4.export import load_run, nvfp4_layers
+    from ds_nvfp4.export import load_run
 
     sd, meta = load_run(checkpoint)
     # what each layer's forward quantized: the FP32 master when packed, its BF16 copy when stored BF16
-    sd = {k: v.to(torch.bfloat16).float() if k.removesuffix(".weight") in meta["stored_bf16"] else v
+    sd = {k: v.to(torch.bfloat16).float() if k.removesuffix(".weight") in meta.stored_bf16 else v
           for k, v in sd.items()}
-    return sd, nvfp4_layers(meta)
+    return sd, meta.nvfp4_layers()
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -98,6 +98,21 @@ def test_modelopt_export(checkpoint: Path, masters, tmp_path: Path) -> None:
         deq = deq * out[f"{layer}.weight_scale_2"]
         want = ref_dequantize(packed, sb, amax, block)
         torch.testing.assert_close(deq, want, rtol=4 * 2**-23, atol=0)
+    # W4A4: the static activation scale is the decode form amax/2688 of the input amax training agreed on
+    for layer, want in _input_amax(checkpoint).items():
+        assert out[f"{layer}.input_scale"].dtype == torch.float32
+        assert float(out[f"{layer}.input_scale"]) == pytest.approx(want / 2688, rel=1e-6), layer
+
+
+def _input_amax(checkpoint: Path) -> dict[str, float]:
+    """Per NVFP4 layer, the input amax of ds_nvfp4.json, shared within a fused group (one input per fused GEMM)."""
+    meta = json.loads((checkpoint / "step3" / "ds_nvfp4.json").read_text())
+    amax = {n: v for n, v in meta["input_amax"].items() if v}
+    for group in meta["conversion"]["fused_groups"]:
+        shared = max(amax[n] for n in group)
+        amax.update(dict.fromkeys(group, shared))
+    assert amax and all(v > 0 for v in amax.values())
+    return amax
 
 
 def test_compressed_tensors_export_reloads_with_the_library(checkpoint: Path, masters, tmp_path: Path) -> None:
@@ -116,6 +131,11 @@ def test_compressed_tensors_export_reloads_with_the_library(checkpoint: Path, ma
         packed, sb, amax = reference(sd[f"{layer}.weight"], block)
         want = ref_dequantize(packed, sb, amax, block).to(torch.bfloat16)
         assert torch.equal(got["weight"].to(torch.bfloat16), want), (layer, ct.__version__)
+    # W4A4: the encode form 2688/amax of the recorded input amax (vLLM takes its reciprocal), fp32 [1]
+    for layer, want in _input_amax(checkpoint).items():
+        got = out[f"{layer}.input_global_scale"]
+        assert got.dtype == torch.float32 and got.shape == (1,)
+        assert float(got) == pytest.approx(2688 / want, rel=1e-6), layer
 
 
 def test_export_errors(checkpoint: Path, tmp_path: Path) -> None:

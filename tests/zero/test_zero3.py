@@ -60,6 +60,13 @@ def test_checkpoint_resume_is_exact(tmp_path) -> None:
         assert r["resumed"] == r["rest"], (r["rest"], r["resumed"])
         assert r["d_res"] == r["d_ref"]  # every FP32 master, bit for bit (sha256 of the full tensor)
         assert all(v["equal"] for v in r["exact_after_resume"].values() if v["packed"])
+    # every rank's RNG state is in place before `latest` names the checkpoint (a crash between them must leave
+    # `latest` on the previous checkpoint, not on one without the state that makes resume bit-exact)
+    rng = [t for r in res for t, name in r["renamed"] if name.startswith("ds_nvfp4_rng_rank")]
+    (latest,) = [t for r in res for t, name in r["renamed"] if name == "latest"]
+    assert len(rng) == len(res) and max(rng) < latest
+    (meta,) = [t for r in res for t, name in r["renamed"] if name == "ds_nvfp4.json"]
+    assert meta < latest
     # zero_to_fp32 reads the checkpoint unchanged (trainable low-precision partitions are never saved)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -158,20 +165,20 @@ def test_precision_statistics_reach_deepspeeds_monitor(tmp_path) -> None:
                                         "csv_monitor": {"enabled": True, "output_path": str(tmp_path),
                                                         "job_name": "job"}})
     files = {f.name: f for f in (tmp_path / "job").glob("Train_Precision_*.csv")}
-    for name in ("Train_Precision_blocks.0.fc1_input_rel_error.csv", "Train_Precision_odd_weight_amax.csv",
+    for name in ("Train_Precision_blocks.1.fc1_input_rel_error.csv", "Train_Precision_odd_weight_amax.csv",
                  "Train_Precision_blocks.2.fc2_grad_output_flushed_to_zero.csv"):
         assert name in files, sorted(files)[:5]
         rows = [ln.split(",") for ln in files[name].read_text().splitlines()[1:]]
         assert [int(r[0]) for r in rows] == [2, 4]  # steps 2 and 4 of 5, once each (rank 0 only)
         assert all(math.isfinite(float(r[1])) for r in rows)
-    rel = [float(r.split(",")[1]) for r in files["Train_Precision_blocks.0.fc1_input_rel_error.csv"].read_text()
+    rel = [float(r.split(",")[1]) for r in files["Train_Precision_blocks.1.fc1_input_rel_error.csv"].read_text()
            .splitlines()[1:]]
     assert all(0.01 < v < 0.3 for v in rel), rel  # 1x16 NVFP4 of Gaussian-like activations: ~10% relative error
 
 
-def test_unmodified_deepspeed_initialize_with_zero_init_model_trains_nvfp4() -> None:
+def test_unmodified_deepspeed_initialize_with_zero_init_model_trains_nvfp4(tmp_path) -> None:
     """The contract of the start-up hook, on 2 real ranks: plain ``deepspeed.initialize`` honours ``precision``."""
-    for r in run_ranks("plain_deepspeed"):
+    for r in run_ranks("plain_deepspeed", dir=str(tmp_path)):
         assert r["wrapped"], "ds_nvfp4_autohook.pth did not wrap deepspeed.initialize (is the package installed?)"
         assert r["partitioned_at_construction"]
         assert r["has_state"] and r["report"]["packed_params"] > 0 and r["report"]["ratio"] < 0.3
@@ -179,6 +186,10 @@ def test_unmodified_deepspeed_initialize_with_zero_init_model_trains_nvfp4() -> 
         assert r["finite"] and r["losses"] == r["explicit_losses"]  # exactly what ds_nvfp4.initialize does
         assert "precision.weights.storage" in r["invalid"] and '"fp8"' in r["invalid"]
         assert not r["no_section_state"] and not r["opt_out_state"]
+        assert r["args_keyword_state"], "deepspeed.initialize(args=..., model=...) was not routed to ds_nvfp4"
+        assert not r["typo_state"]
+        said = "'precison': DeepSpeed ignores unknown keys, so this run trains WITHOUT NVFP4"
+        assert (said in r["typo_said"]) == (r["rank"] == 0), r["typo_said"]  # loudly, once (rank 0)
 
 
 def test_fused_groups_share_one_amax_in_the_packed_store_and_are_unfused_with_bf16_storage() -> None:
@@ -287,3 +298,38 @@ def test_precision_schedule_warmup_late_switch_and_resume(tmp_path, preset: str,
     fwd = [ln.split(",") for ln in (tmp_path / "job" / "Train_Precision_fp4_forward.csv").read_text().splitlines()[1:]]
     assert [(int(s), float(v)) for s, v in fwd] == [(s, float(s in (3, 4) or (s >= 5 and gemms == "backward")))
                                                     for s in range(1, 8)]
+
+
+@pytest.mark.parametrize("preset", ["nvfp4_zero2.json", "nvfp4_zero3.json"])
+def test_every_feature_with_unmanaged_gradient_accumulation(tmp_path, preset: str) -> None:
+    """``managed_gradient_accumulation: false``: DeepSpeed's boundary probe is False outside step(), so features
+    that asked it never ran (the weight cache kept step 1's codes, no NaN was reported, the schedule stood still).
+    The lifecycle reads DeepSpeed's step counter instead."""
+    for r in run_ranks("unmanaged", preset=preset, dir=str(tmp_path)):
+        assert r["losses_cache1"] == r["losses_cache0"], (r["losses_cache1"], r["losses_cache0"])
+        if preset == "nvfp4_zero2.json":  # ZeRO-0/1/2: once per optimizer step; without the cache once per forward
+            # (block 1 is activation-checkpointed: 4 steps x 2 micro-batches x (forward + recomputation))
+            assert r["quantizations_cache1"] == 4 and r["quantizations_cache0"] == 16
+        assert r["phases"] == ["warmup", "fp4", "fp4", "late"] and r["global_steps"] == 4
+        assert r["order"] == ["weight_cache", "nonfinite", "statistics", "schedule", "checkpoint"]
+        assert r["error"] is not None and r["raised_at"] == 3 and "step 3" in r["error"], r.get("error")
+    rows = (tmp_path / "job" / "Train_Precision_blocks.1.fc1_input_rel_error.csv").read_text().splitlines()[1:]
+    assert [int(row.split(",")[0]) for row in rows] == [2, 3]  # every step with an FP4 forward (interval 1)
+
+
+def test_pipeline_engine_gets_fp4_layers_and_every_feature(tmp_path) -> None:
+    res = run_ranks("pipeline", dir=str(tmp_path / "ckpt"))
+    for r in res:
+        assert r["type"].startswith("NVFP4PipelineEngine")
+        assert r["losses_cache1"] == r["losses_cache0"] and all(math.isfinite(v) for v in r["losses_cache1"])
+        assert r["phases"] == ["warmup", "fp4", "fp4", "fp4"]
+        assert r["resumed_losses"] == r["schedule_losses"][2:], (r["resumed_losses"], r["schedule_losses"])
+        assert r["error"] is not None and r["raised_at"] == 3, r.get("error")
+        notes = " ".join(r["conversion"]["notes"])
+        assert f"pipeline stage {r['rank']} of 2" in notes
+    # 4 blocks over 2 stages; the first and the last block stay BF16 (keep_first/last_blocks_bf16: 1)
+    by_rank = {r["rank"]: r for r in res}
+    assert by_rank[0]["fp4_layers"] == ["2.fc1", "2.fc2"] and by_rank[1]["fp4_layers"] == ["3.fc1", "3.fc2"]
+    reasons = {d["name"]: d["reason"] for r in res for d in r["conversion"]["layers"]}
+    assert "in block 0 of 4" in reasons["1.fc1"] and "in block 3 of 4" in reasons["4.fc1"]
+

@@ -162,7 +162,10 @@ def scenario_train(rank: int, p: dict) -> dict:
 
 
 def scenario_checkpoint(rank: int, p: dict) -> dict:
-    """Train 6 steps saving at 3; a fresh engine loads step 3 and trains 4..6: losses must match exactly."""
+    """Train 6 steps saving at 3; a fresh engine loads step 3 and trains 4..6: losses must match exactly. Records
+    when each file of the save was renamed into place (``os.replace``, wall clock in ns) on this rank."""
+    import time
+
     import deepspeed
 
     cfg = config(**p.get("config", {}))
@@ -172,7 +175,16 @@ def scenario_checkpoint(rank: int, p: dict) -> dict:
     w3 = {n: float(deepspeed.utils.safe_get_full_fp32_param(q).double().sum()) for n, q in
           e1.module.named_parameters()}
     d3 = digests(e1)
+    renamed, real_replace = [], os.replace
+
+    def replace(src, dst, *a, **kw):
+        out = real_replace(src, dst, *a, **kw)
+        renamed.append((time.time_ns(), os.path.basename(str(dst))))
+        return out
+
+    os.replace = replace
     e1.save_checkpoint(ckpt, tag="step3")
+    os.replace = real_replace
     rest = train(e1, range(3, 6), rank)
     w_ref = {n: float(deepspeed.utils.safe_get_full_fp32_param(q).double().sum()) for n, q in
              e1.module.named_parameters()}
@@ -184,7 +196,7 @@ def scenario_checkpoint(rank: int, p: dict) -> dict:
     w_res = {n: float(deepspeed.utils.safe_get_full_fp32_param(q).double().sum()) for n, q in
              e2.module.named_parameters()}
     return {"first": first, "rest": rest, "resumed": resumed, "w_ref": w_ref, "w_res": w_res, "w3": w3,
-            "d3": d3, "d_ref": d_ref, "d_res": digests(e2),
+            "d3": d3, "d_ref": d_ref, "d_res": digests(e2), "renamed": renamed,
             "exact_after_resume": exactness(e2)}
 
 
@@ -418,8 +430,16 @@ def scenario_plain_deepspeed(rank: int, p: dict) -> dict:
     rep = engine.ds_nvfp4.store.report() if out["has_state"] and engine.ds_nvfp4.store else None
     out["report"] = rep.to_dict() if rep else None
     out["exact"] = exactness(engine) if out["has_state"] else {}
+    import argparse
+
     import ds_nvfp4
 
+    # the most common call: deepspeed.initialize(args=cmd_args, model=...) with args.deepspeed_config, no config=
+    path = Path(p["dir"]) / f"ds_rank{rank}.json"
+    path.write_text(json.dumps(config()))
+    by_args, *_ = deepspeed.initialize(args=argparse.Namespace(deepspeed_config=str(path), local_rank=rank),
+                                       model=build(cfg))
+    out["args_keyword_state"] = hasattr(by_args, "ds_nvfp4")
     explicit, *_ = ds_nvfp4.initialize(model=build(cfg), config=config())
     out["explicit_losses"] = train(explicit, range(4), rank)
 
@@ -435,6 +455,15 @@ def scenario_plain_deepspeed(rank: int, p: dict) -> dict:
     del plain["precision"]
     e2, *_ = deepspeed.initialize(model=build(plain), config=plain)
     out["no_section_state"] = hasattr(e2, "ds_nvfp4")
+    typo = config()
+    typo["precison"] = typo.pop("precision")  # DeepSpeed ignores it: a BF16 run, said loudly on rank 0
+    import contextlib
+    import io
+
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        e4, *_ = deepspeed.initialize(model=build(typo), config=typo)
+    out["typo_state"], out["typo_said"] = hasattr(e4, "ds_nvfp4"), said.getvalue()
     os.environ["DS_NVFP4_AUTO"] = "0"
     e3, *_ = deepspeed.initialize(model=build(cfg), config=config())
     out["opt_out_state"] = hasattr(e3, "ds_nvfp4")
@@ -491,6 +520,158 @@ def scenario_schedule(rank: int, p: dict) -> dict:
     return {"phases": phases, "packed": packed, "bf16_only": bf16_only, "exact": exact, "losses": losses,
             "bf16": bf16, "resumed": resumed, "schedule": e1.ds_nvfp4.schedule.to_dict(),
             "share": e1.ds_nvfp4.fp4_gemm_share(7), "notes": e1.ds_nvfp4.conversion.notes}
+
+
+def _unmanaged_engine(p: dict, cache: str, **over):
+    os.environ["DS_NVFP4_WEIGHT_CACHE"] = cache
+    cfg = config(preset=p["preset"], gas=2, managed_gradient_accumulation=False, **over)
+    return make_engine(cfg)
+
+
+def _unmanaged_train(engine, steps: range, rank: int, poison_at: int | None = None) -> list[float]:
+    """``managed_gradient_accumulation: false``: the caller owns the boundary, two backwards then one step()."""
+    if poison_at is not None:
+        def poison(module, args):
+            if module.training and engine.global_steps + 1 == poison_at and rank == 1:
+                return (args[0] * float("nan"),)
+            return None
+
+        engine.module.get_submodule("blocks.1.fc1").register_forward_pre_hook(poison)
+    losses = []
+    for step in steps:
+        total = 0.0
+        for micro in range(2):
+            idx, tgt = batch(step * 10 + micro, rank)
+            loss = engine(idx, tgt)
+            engine.backward(loss)
+            total += float(loss.detach()) / 2
+        engine.step()
+        losses.append(total)
+    return losses
+
+
+def scenario_unmanaged(rank: int, p: dict) -> dict:
+    """Every feature with ``managed_gradient_accumulation: false`` (DeepSpeed's boundary probe is False outside
+    step()): weight cache on and off give the same losses; the schedule changes phase at its steps; the monitor gets
+    the statistics; a NaN raises NonFiniteError at its step on every rank."""
+    import ds_nvfp4
+
+    out: dict = {}
+    for cache in ("1", "0"):
+        engine = _unmanaged_engine(p, cache)
+        out[f"losses_cache{cache}"] = _unmanaged_train(engine, range(4), rank)
+        out[f"quantizations_cache{cache}"] = engine.module.blocks[1].fc1.weight_quantizations
+    engine = _unmanaged_engine(p, "1", **{"precision.schedule": {"bf16_warmup_steps": 1, "bf16_from": 4},
+                                          "precision.monitor": {"enabled": True, "interval": 1},
+                                          "csv_monitor": {"enabled": True, "output_path": p["dir"],
+                                                          "job_name": "job"}})
+    phases = []
+    for step in range(4):
+        phases.append(engine.ds_nvfp4.schedule.current.name)
+        _unmanaged_train(engine, range(step, step + 1), rank)
+    out["phases"] = phases
+    out["global_steps"] = engine.global_steps
+    out["order"] = engine.ds_nvfp4.lifecycle.order
+    engine = _unmanaged_engine(p, "1")
+    try:
+        _unmanaged_train(engine, range(5), rank, poison_at=3)
+        out["error"] = None
+    except ds_nvfp4.NonFiniteError as exc:
+        out["error"], out["raised_at"] = str(exc), engine.global_steps
+    return out
+
+
+class _Embed(nn.Module):
+    def __init__(self, vocab: int = 128, d: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+
+    def forward(self, idx):
+        return self.embed(idx)
+
+
+class _Head(nn.Module):
+    def __init__(self, vocab: int = 128, d: int = 64) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, h):
+        return self.lm_head(h).float()
+
+
+def _pipe_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def _pipeline_engine(p: dict, cache: str = "1", **over):
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    import ds_nvfp4
+
+    os.environ["DS_NVFP4_WEIGHT_CACHE"] = cache
+    torch.manual_seed(0)
+    specs = [LayerSpec(_Embed)] + [LayerSpec(Block, 64) for _ in range(4)] + [LayerSpec(_Head)]
+    model = PipelineModule(layers=specs, num_stages=2, loss_fn=_pipe_loss, partition_method="uniform")
+    cfg = config(preset="nvfp4_zero2.json", gas=2, **{"zero_optimization.stage": 1, **over})
+    engine, *_ = ds_nvfp4.initialize(model=model, model_parameters=[q for q in model.parameters()
+                                                                    if q.requires_grad], config=cfg)
+    return engine
+
+
+def _pipe_data(rank_seed: int = 0):
+    step = 0
+    while True:
+        idx, tgt = batch(step, 0)  # every stage draws the same batches (the first reads inputs, the last labels)
+        step += 1
+        yield idx, tgt
+
+
+def scenario_pipeline(rank: int, p: dict) -> dict:
+    """A PipelineModule in 2 stages (ZeRO-1): FP4 layers per stage, the lifecycle through train_batch (cache on and
+    off equal, schedule phases, resume from a checkpoint), and a NaN stops every rank with NonFiniteError."""
+    import ds_nvfp4
+    from ds_nvfp4.nn import NVFP4Linear
+
+    out: dict = {}
+    for cache in ("1", "0"):
+        engine = _pipeline_engine(p, cache)
+        data = _pipe_data()
+        out[f"losses_cache{cache}"] = [float(engine.train_batch(data)) for _ in range(4)]
+    out["conversion"] = engine.ds_nvfp4.conversion.to_dict()
+    out["fp4_layers"] = sorted(n for n, m in engine.module.named_modules() if isinstance(m, NVFP4Linear))
+    out["type"] = type(engine).__name__
+    engine = _pipeline_engine(p, "1", **{"precision.schedule": {"bf16_warmup_steps": 1}})
+    data = _pipe_data()
+    phases, losses = [], []
+    for step in range(4):
+        phases.append(engine.ds_nvfp4.schedule.current.name)
+        losses.append(float(engine.train_batch(data)))
+        if step == 1:
+            engine.save_checkpoint(p["dir"], tag="step2")
+    out["phases"], out["schedule_losses"] = phases, losses
+    resumed = _pipeline_engine(p, "1", **{"precision.schedule": {"bf16_warmup_steps": 1}})
+    resumed.load_checkpoint(p["dir"], tag="step2")
+    data = _pipe_data()
+    for _ in range(2):  # the batches of steps 1-2, consumed
+        next(data), next(data)
+    out["resumed_losses"] = [float(resumed.train_batch(data)) for _ in range(2)]
+    engine = _pipeline_engine(p, "1")
+    layer = next(m for m in engine.module.modules() if isinstance(m, NVFP4Linear))
+    bad = {3}
+
+    def poison(module, args):
+        return (args[0] * float("nan"),) if module.training and engine.global_steps + 1 in bad else None
+
+    if rank == 0:
+        layer.register_forward_pre_hook(poison)
+    data = _pipe_data()
+    try:
+        for _ in range(5):
+            engine.train_batch(data)
+        out["error"] = None
+    except ds_nvfp4.NonFiniteError as exc:
+        out["error"], out["raised_at"] = str(exc), engine.global_steps
+    return out
 
 
 def main() -> None:

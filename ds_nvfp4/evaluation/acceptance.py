@@ -167,7 +167,7 @@ def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01,
 
 
 def unpack_correct(text: str, n: int) -> np.ndarray:
-    """Per-example correctness written by ``ds_nvfp4.finetune.pack_correct``: bool ``[n]``."""
+    """Per-example correctness written by ``ds_nvfp4.evaluation.finetune.pack_correct``: bool ``[n]``."""
     return np.unpackbits(np.frombuffer(base64.b64decode(text), dtype=np.uint8))[:n].astype(bool)
 
 
@@ -221,7 +221,7 @@ def _downstream(base: Path, cand: Path, threshold: float) -> Criterion:
 
 def _probe(base: Path, cand: Path, threshold: float) -> Criterion:
     """The linear probe's accuracy gap (``ds-nvfp4 probe`` on both runs): paired bootstrap over the examples."""
-    from ..probe import SETTINGS
+    from .linear_probe import SETTINGS
 
     pa, pb = base / "probe.json", cand / "probe.json"
     name = "downstream accuracy gap (linear probe)"

@@ -1,6 +1,6 @@
 """Downstream check without seed noise: a linear probe on a pretrained run's frozen features.
 
-``probe(run_dir, task)`` loads the run's final FP32 master weights (as :mod:`ds_nvfp4.finetune` does), runs the
+``probe(run_dir, task)`` loads the run's final FP32 master weights (as ``finetune`` does), runs the
 frozen GPT once over a fixed set of labelled examples and keeps, per example, the mean over its real tokens of the
 hidden state after every block and after the final norm (``(layers + 1) * d_model`` features: what each depth
 knows). A multinomial logistic regression (L2, full-batch L-BFGS, standardized features) is then cross-fitted over

@@ -1,4 +1,7 @@
-"""``precision.schedule``: which GEMMs run in FP4 at which optimizer step, applied by the engine on step boundaries.
+"""``precision.schedule`` as a plan: which GEMMs run in FP4 at which optimizer step (pure: no torch, no engine).
+
+The engine applies it (engine/schedule.py) after every optimizer step and checkpoint load; ``explain`` and the
+config rules read it too.
 
 Three phases (steps counted from 1, like DeepSpeed's ``global_steps`` after a step):
 
@@ -15,11 +18,10 @@ same phase at the same step as the uninterrupted run (``engine.load_checkpoint``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
-from .config import PrecisionConfig
-from .config.checks import first_late_bf16_step
-from .nn import NVFP4Linear
+from .schema import PrecisionConfig
 
 
 @dataclass(frozen=True)
@@ -89,36 +91,32 @@ class SchedulePlan:
         return out
 
 
-@dataclass
-class ScheduleState:
-    """The schedule as the engine runs it: the current phase and every transition (step, phase name)."""
 
-    plan: SchedulePlan
-    current: Phase | None = None
-    transitions: list[tuple[int, str]] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return {"warmup_steps": self.plan.warmup_steps, "first_late_step": self.plan.first_late_step,
-                "late_gemms": self.plan.late_gemms, "phase": self.current.name if self.current else None,
-                "transitions": [{"step": s, "phase": p} for s, p in self.transitions]}
+def get_path(ds: dict, dotted: str, default: Any = None) -> Any:
+    """``ds["a"]["b"]`` for ``"a.b"``, or ``default`` where a key is missing (JSON paths of a ds_config)."""
+    node: Any = ds
+    for k in dotted.split("."):
+        if not isinstance(node, dict) or k not in node:
+            return default
+        node = node[k]
+    return node
 
 
-def apply_phase(engine, state: ScheduleState, step: int) -> bool:
-    """Put the engine in the phase of optimizer step ``step`` (layers, and packed storage when there is one).
-    Returns whether anything changed. Runs between steps: no parameter is gathered then."""
-    phase = state.plan.phase(step)
-    if phase == state.current:
-        return False
-    for m in engine.module.modules():
-        if isinstance(m, NVFP4Linear):
-            m.set_gemm_precision(phase.forward_fp4, phase.backward_fp4)
-    store = getattr(getattr(engine, "ds_nvfp4", None), "store", None)
-    if store is not None and store.packed != phase.packed:
-        if phase.packed:
-            store.pack_all()
-        else:
-            store.unpack_to_bf16()
-        store.refresh_persistent()
-    state.current = phase
-    state.transitions.append((step, phase.name))
-    return True
+def schedule_total_steps(ds: dict, pc: PrecisionConfig) -> int | None:
+    """The run's optimizer steps for a fractional switch: the schedule's own, else DeepSpeed's scheduler's."""
+    if pc.schedule.total_steps is not None:
+        return pc.schedule.total_steps
+    total = get_path(ds, "scheduler.params.total_num_steps")
+    return total if isinstance(total, int) and not isinstance(total, bool) and total >= 1 else None
+
+
+def first_late_bf16_step(ds: dict, pc: PrecisionConfig) -> int | None:
+    """The first optimizer step (from 1) of the late BF16 switch, or None. A fraction ``f`` of ``T`` steps runs
+    steps ``floor(f T) + 1 .. T`` in BF16 (0.85 of 2,100: steps 1,786-2,100, the last 15%)."""
+    at = pc.schedule.bf16_from
+    if at is None or isinstance(at, bool):
+        return None
+    if isinstance(at, int):
+        return at if at >= 1 else None
+    total = schedule_total_steps(ds, pc)
+    return int(at * total + 1e-9) + 1 if total is not None and 0.0 < at < 1.0 else None

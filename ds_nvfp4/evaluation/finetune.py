@@ -1,6 +1,6 @@
 """Downstream check of the brief's 0.5% rule: fine-tune a pretrained run on an offline classification task.
 
-``finetune(run_dir, task, seeds)`` rebuilds the run's GPT (the ``launch/train.py`` recorded in its config.json),
+``finetune(run_dir, task, seeds)`` rebuilds the run's GPT (:mod:`ds_nvfp4.evaluation.gpt`, shaped by its config.json),
 loads the final checkpoint's FP32 master weights through DeepSpeed's ``zero_to_fp32`` reader, adds a linear
 classifier over the mean-pooled final hidden states and fine-tunes every parameter in FP32 on one process, with
 the same recipe and seeds for every run (so a BF16 and an NVFP4 pretraining are compared on equal terms).
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import json
 import tarfile
 from pathlib import Path
@@ -25,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .gpt import GPT
 
 WORDNET_DIR = Path("/usr/share/wordnet")
 TASKS = ("wordnet", "sentiment")
@@ -109,26 +110,14 @@ class Classifier(nn.Module):
         return self.head(pooled)
 
 
-def _load_train_module(config: dict):
-    default = Path(__file__).resolve().parents[1] / "launch" / "train.py"  # the checkout's own script
-    script = Path(config.get("script", default))
-    if not script.exists():
-        raise FinetuneError(f"{script}: the training script recorded in config.json is not there")
-    spec = importlib.util.spec_from_file_location("ds_nvfp4_train_script", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def load_pretrained(run_dir: Path) -> tuple[nn.Module, dict]:
     """The run's GPT with its final FP32 master weights (DeepSpeed checkpoint in RUN_DIR/ckpt)."""
     cfg_path = run_dir / "config.json"
     if not cfg_path.exists() or not (run_dir / "ckpt" / "latest").exists():
         raise FinetuneError(f"{run_dir}: needs config.json and ckpt/latest (a finished launch/train.py run)")
     config = json.loads(cfg_path.read_text())
-    train_mod = _load_train_module(config)
     m = config["model"]
-    gpt = train_mod.GPT(m["layers"], m["d_model"], m["heads"], config["args"]["seq"])
+    gpt = GPT(m["layers"], m["d_model"], m["heads"], config["args"]["seq"])
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     sd = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "ckpt"))
@@ -150,7 +139,7 @@ def lr_at(step: int, steps: int, lr: float, warmup: float = 0.1) -> float:
 def pack_correct(correct: torch.Tensor) -> str:
     """Per-example correctness (bool ``[N]``) as base64 of its bits (numpy ``packbits`` order).
 
-    ``ds_nvfp4.report.compare.unpack_correct`` reads it back.
+    ``ds_nvfp4.evaluation.acceptance.unpack_correct`` reads it back.
     """
     import numpy as np
 

@@ -1,4 +1,4 @@
-"""`NVFP4Tensor`: the storage of one quantized tensor (data only; no dispatch, no autograd).
+"""`NVFP4Storage`: the storage of one quantized tensor (data only; no dispatch, no autograd).
 
 Roles follow Transformer Engine: the *quantizer* is the function :func:`ds_nvfp4.quantize` (recipe:
 block layout, rounding, amax), this class is the *storage*, and the nn layer decides what to do with it.
@@ -15,7 +15,7 @@ from .constants import BLOCK_SIZE
 
 
 @dataclass(frozen=True)
-class NVFP4Tensor:
+class NVFP4Storage:
     """A tensor in NVFP4: E2M1 codes, E4M3 block scales and an FP32 per-tensor amax.
 
     Attributes:
@@ -83,21 +83,21 @@ class NVFP4Tensor:
             return self.scale.reshape(-1, self.shape[-1] // BLOCK_SIZE)
         return self.scale.repeat_interleave(BLOCK_SIZE, dim=0)
 
-    def t(self) -> NVFP4Tensor:
+    def t(self) -> NVFP4Storage:
         """The transpose of a 2-D 16x16-blocked tensor, exact (codes and tile scales move; nothing rounds).
 
         Only 16x16 blocking is closed under transposition; a 1x16 tensor must be re-quantized instead.
         """
         if self.block != "16x16":
-            raise ValueError("NVFP4Tensor.t() needs block='16x16': 1x16 blocks run along K only")
+            raise ValueError("NVFP4Storage.t() needs block='16x16': 1x16 blocks run along K only")
         codes = e2m1.unpack(self.data).t().contiguous()
         return replace(self, data=e2m1.pack(codes), scale=self.scale.t().contiguous(),
                        shape=torch.Size((self.shape[1], self.shape[0])))
 
-    def to(self, device: torch.device | str) -> NVFP4Tensor:
+    def to(self, device: torch.device | str) -> NVFP4Storage:
         """A copy on ``device`` (bytes unchanged)."""
         return replace(self, data=self.data.to(device), scale=self.scale.to(device), amax=self.amax.to(device))
 
     def __repr__(self) -> str:
-        return (f"NVFP4Tensor(shape={tuple(self.shape)}, block={self.block!r}, device={self.device}, "
+        return (f"NVFP4Storage(shape={tuple(self.shape)}, block={self.block!r}, device={self.device}, "
                 f"nbytes={self.nbytes})")

@@ -1,0 +1,103 @@
+"""`WeightCodes`: where an NVFP4 layer's weight codes come from in one forward (the layer <-> storage contract).
+
+The layer owns one (``layer.weight_codes``); the engine's weight-cache feature and the packed ZeRO-3 storage talk to
+it through its methods, never through attributes hung on Parameters. ``Codes`` are the three fields of the weight's
+:class:`~ds_nvfp4.format.NVFP4Storage` in the GEMM's ``[N, K]`` layout: ``(data uint8 [N, K/2], scale
+float8_e4m3fn, amax float32 0-dim)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .fused import share_amax
+
+Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _token(weight: torch.Tensor) -> tuple:
+    """What identifies the weight's current values: storage, in-place version counter, shape, dtype. DeepSpeed writes
+    through flat buffers bypass the version counter: the engine invalidates cached codes after each optimizer step."""
+    return weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype
+
+
+class FusedGroup:
+    """Layers whose weights share one per-tensor amax (``precision.modules.fuse``) computed from their full weights
+    (ZeRO-0/1/2 or no DeepSpeed; under ZeRO-3 the packed storage agrees on the group's amax instead and sets it as
+    each member's :attr:`WeightCodes.agreed_amax`)."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module]) -> None:
+        self.layers = tuple(layers)
+
+    def amax(self) -> torch.Tensor:
+        """float32 0-dim: the max of |W| over every member."""
+        weights = [m.weight for m in self.layers]
+        if any(w.numel() != m.in_features * m.out_features for w, m in zip(weights, self.layers)):
+            raise RuntimeError("a fused group member's weight is partitioned (ZeRO-3 without packed storage): the "
+                               "group's amax cannot be read in this forward; ds_nvfp4.initialize unfuses such groups, "
+                               "convert_model alone cannot know")
+        own = torch.stack([w.detach().abs().amax().float() for w in weights])
+        return share_amax(own, [range(len(weights))])[0]
+
+
+class WeightCodes:
+    """How one NVFP4 layer gets its weight's NVFP4 codes for a forward.
+
+    A forward asks :meth:`reuse` first, which answers, in this order:
+
+    1. the codes the packed ZeRO-3 storage gathered with the weight (``communication.all_gather: "nvfp4"``,
+       :meth:`offer_gathered`), while the gathered weight is unchanged: they are exactly what quantizing it with its
+       agreed amax gives (the exactness invariant of docs/zero.md). Not for RHT layers (they quantize H(W));
+    2. the codes of an earlier forward of the same optimizer step when :attr:`cache` is on (ZeRO-0/1/2: the weight
+       changes only at optimizer steps; gradient accumulation, activation-checkpointing recomputation and
+       evaluation forwards reuse them). The engine's weight-cache feature turns it on and calls :meth:`invalidate`
+       after every optimizer step and checkpoint load;
+    3. nothing: the layer quantizes its weight with :meth:`amax` and hands the codes to :meth:`keep`.
+    """
+
+    def __init__(self) -> None:
+        #: reuse this step's codes (set by the engine; off for a bare ``convert_model``)
+        self.cache = False
+        #: float32 per-tensor amax the packed ZeRO-3 storage agreed across ranks (the FP32 master's), or None
+        self.agreed_amax: torch.Tensor | None = None
+        #: the fused group whose shared amax this weight takes (None: its own)
+        self.group: FusedGroup | None = None
+        #: how many times the layer quantized its weight (every forward without reuse; counted before the GEMM:
+        #: an activation-checkpointing recomputation may stop right after it)
+        self.quantizations = 0
+        self._gathered: tuple[tuple, Codes] | None = None
+        self._cached: tuple[tuple, Codes] | None = None
+
+    def reuse(self, weight: torch.Tensor, *, gathered_ok: bool = True) -> Codes | None:
+        """Codes valid for ``weight``'s current values, or None (the layer must quantize)."""
+        token = _token(weight)
+        if gathered_ok and self._gathered is not None and self._gathered[0] == token:
+            return self._gathered[1]
+        if self.cache and self._cached is not None and self._cached[0] == token:
+            return self._cached[1]
+        return None
+
+    def amax(self) -> torch.Tensor | None:
+        """The per-tensor amax to quantize with: the storage's agreed one, the fused group's, or None (the weight's
+        own max |W|)."""
+        if self.agreed_amax is not None:
+            return self.agreed_amax
+        return self.group.amax() if self.group is not None else None
+
+    def keep(self, weight: torch.Tensor, codes: Codes) -> None:
+        """The layer quantized ``weight`` into ``codes`` (kept for reuse when :attr:`cache` is on)."""
+        self._cached = (_token(weight), tuple(c.detach() for c in codes)) if self.cache else None
+
+    def invalidate(self) -> None:
+        """The weight changed where its version counter cannot see it (an optimizer step, a checkpoint load)."""
+        self._cached = None
+
+    def offer_gathered(self, weight: torch.Tensor, codes: Codes) -> None:
+        """The storage gathered ``weight`` together with its ``codes`` (valid until :meth:`drop_gathered`)."""
+        self._gathered = (_token(weight), codes)
+
+    def drop_gathered(self) -> None:
+        """The gathered weight was released."""
+        self._gathered = None

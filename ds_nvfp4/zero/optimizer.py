@@ -1,0 +1,53 @@
+"""The optimizer seam of packed ZeRO-3 storage, and :func:`install`, which sets the storage up on an engine."""
+
+from __future__ import annotations
+
+from ..nn.weights import WeightCodes
+from .gather import install_gather_hooks
+from .packed import PackedPartitions
+
+
+class PackedStorageOptimizerMixin:
+    """Mixed into the engine's ZeRO-3 optimizer instance (``opt.__class__ = type(..., (Mixin, type(opt)), {})``):
+    after each sub-group step the partition is re-quantized from the FP32 master (instead of DeepSpeed's FP32 -> BF16
+    copy); checkpoint loading runs DeepSpeed's own code on a temporary flat BF16 layout and re-packs from the
+    loaded FP32 master. (ZeRO-3's optimizer class may be swapped: only BF16_Optimizer is compared by type.)"""
+
+    _ds_nvfp4_store: PackedPartitions
+
+    def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
+        store = self._ds_nvfp4_store
+        if not store.packed:
+            return super()._reassign_or_swap_out_partitioned_parameters(sub_group_id)
+        store.pack_group(sub_group_id)
+
+    def load_state_dict(self, *args, **kwargs):
+        with self._ds_nvfp4_store.flat_layout():
+            return super().load_state_dict(*args, **kwargs)
+
+    def _restore_from_bit16_weights(self):
+        with self._ds_nvfp4_store.flat_layout():
+            return super()._restore_from_bit16_weights()
+
+    def load_module_checkpoint_state_from_checkpoint_dir_stage3(self, *args, **kwargs):
+        with self._ds_nvfp4_store.flat_layout():
+            return super().load_module_checkpoint_state_from_checkpoint_dir_stage3(*args, **kwargs)
+
+
+def install(engine, names: dict[int, str], converted: dict[int, WeightCodes], block: str, all_gather: str,
+            fused: list[list[int]] | None = None) -> PackedPartitions:
+    """Pack the engine's converted ZeRO-3 weights and hook DeepSpeed (called by ``ds_nvfp4.initialize``).
+
+    ``fused`` lists groups of parameter ids (weights of one fused inference GEMM) that share one amax.
+    """
+    opt = engine.optimizer
+    store = PackedPartitions(engine, names, converted, block, all_gather, fused)
+    base = type(opt)
+    opt.__class__ = type(f"NVFP4{base.__name__}", (PackedStorageOptimizerMixin, base), {})
+    opt._ds_nvfp4_store = store
+    opt._partition_all_parameters()
+    store.pack_all()
+    install_gather_hooks(store)
+    # persistent parameters still hold their pre-packing BF16 values: the forward must see the packed weight
+    store.refresh_persistent()
+    return store
