@@ -14,17 +14,18 @@ from ds_nvfp4.kernels import transformer_engine as te_backend
 
 _BASE = ["cls", "rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv", "amax_rowwise",
          "amax_columnwise", "fp4_dtype", "quantizer"]
+_SWIZZLED = [*_BASE, "with_gemm_swizzled_scales"]
 #: NVFP4 storage constructor (``__new__``) per release: required names, then keywords with defaults
 STORAGE = {
     "2.8": (_BASE, []),  # NVFP4TensorBase (tensor/_internal/nvfp4_tensor_base.py)
     "2.9": (_BASE, []),  # NVFP4TensorStorage from here on (tensor/storage/nvfp4_tensor_storage.py)
     "2.11": (_BASE, []),
-    "2.12": (_BASE + ["with_gemm_swizzled_scales"], []),
-    "2.14": (_BASE + ["with_gemm_swizzled_scales"], ["fake_dtype"]),
-    "2.16": (_BASE + ["with_gemm_swizzled_scales"], ["fake_dtype", "row_scaled_nvfp4"]),
-    "2.17": (_BASE + ["with_gemm_swizzled_scales"], ["fake_dtype", "row_scaled_nvfp4", "nvfp4_use_4over6",
+    "2.12": (_SWIZZLED, []),
+    "2.14": (_SWIZZLED, ["fake_dtype"]),
+    "2.16": (_SWIZZLED, ["fake_dtype", "row_scaled_nvfp4"]),
+    "2.17": (_SWIZZLED, ["fake_dtype", "row_scaled_nvfp4", "nvfp4_use_4over6",
                                                      "nvfp4_e4m3_max"]),
-    "2.20.0.dev0": (_BASE + ["with_gemm_swizzled_scales"], ["fake_dtype", "row_scaled_nvfp4", "nvfp4_use_4over6",
+    "2.20.0.dev0": (_SWIZZLED, ["fake_dtype", "row_scaled_nvfp4", "nvfp4_use_4over6",
                                                             "nvfp4_e4m3_max"]),
 }
 #: ``general_gemm`` (cpp_extensions/gemm.py): the workspace argument left after 2.9
@@ -56,7 +57,7 @@ def test_the_storage_call_binds_to_each_claimed_release(version: str) -> None:
 
 
 def test_an_unknown_required_parameter_is_an_error_that_names_it() -> None:
-    sig = _signature(_BASE + ["with_gemm_swizzled_scales", "new_required_thing"], [])
+    sig = _signature([*_SWIZZLED, "new_required_thing"], [])
     t = ds_nvfp4.quantize(torch.randn(16, 32), block="16x16")
     with pytest.raises(TypeError, match="new_required_thing"):
         te_backend.storage_kwargs(sig.parameters, t, fp4_dtype="kFloat4E2M1")
