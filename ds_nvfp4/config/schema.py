@@ -43,11 +43,28 @@ class CommunicationConfig(StrictModel):
     reduce_scatter: Literal["bf16", "fp32"] = Field("bf16", description="gradient reduce-scatter dtype")
 
 
+class ModuleRule(StrictModel):
+    """One entry of ``modules.overrides``: modules whose name matches ``match`` take ``precision``."""
+
+    match: str = Field(description="fnmatch pattern over a module's dotted name (or any dotted suffix of it)")
+    precision: Literal["bf16", "fp4"] = Field(description="bf16: keep the module BF16; fp4: the recipe's FP4 GEMMs "
+                                                          "(still subject to the shape rules)")
+
+
 class ModulesConfig(StrictModel):
     include: list[str] = Field(["*"], description="fnmatch patterns over model.named_modules() names")
     exclude: list[str] = Field(["lm_head", "*embed*"], description="patterns kept BF16; exclude wins over include")
     keep_first_blocks_bf16: int = Field(0, ge=0, description="leading transformer blocks kept BF16")
     keep_last_blocks_bf16: int = Field(0, ge=0, description="trailing transformer blocks kept BF16")
+    keep_last_fraction_bf16: float = Field(
+        0.0, ge=0.0, lt=1.0, description="fraction of the transformer blocks, counted from the end, kept BF16, rounded "
+                                         "up (0.15 of 32 blocks: the last 5); with keep_last_blocks_bf16 the larger "
+                                         "of the two")
+    overrides: list[ModuleRule] = Field(
+        [], description="ordered per-module rules (Megatron-style per-module precision): the first whose pattern "
+                        "matches decides, before include/exclude and the block rules; e.g. "
+                        '[{"match": "*.mlp.experts", "precision": "fp4"}, {"match": "layers.3.*", "precision": '
+                        '"bf16"}]')
     fuse: list[list[str]] = Field(
         [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]],
         description="sibling Linear names that inference engines fuse into one GEMM (vLLM qkv_proj, gate_up_proj): "
@@ -103,6 +120,13 @@ class PrecisionConfig(StrictModel):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+
+    def last_blocks_bf16(self, blocks: int) -> int:
+        """How many trailing blocks of a model with ``blocks`` blocks stay BF16 (the count or the fraction)."""
+        import math
+
+        frac = self.modules.keep_last_fraction_bf16
+        return max(self.modules.keep_last_blocks_bf16, math.ceil(frac * blocks - 1e-9) if frac else 0)
 
     def describe_recipe(self) -> str:
         """What the recipe does, in words (user-facing output names recipes by what they do, not by a label)."""

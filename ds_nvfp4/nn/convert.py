@@ -78,14 +78,18 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
     blocks = blocks or find_blocks(model)
     report = ConversionReport(kernel=sel.name, kernel_reason=sel.reason + (f"; {sel.operand}" if sel.operand else ""),
                               blocks=blocks.describe() if blocks else None)
-    first, last = mods.keep_first_blocks_bf16, mods.keep_last_blocks_bf16
-    if (first or last) and blocks is None:
-        raise ValueError("precision.modules.keep_first_blocks_bf16/keep_last_blocks_bf16 are set, but the model has "
-                         "no repeated transformer blocks (no nn.ModuleList of >= 2 children of one type); set both "
-                         "to 0 and use modules.exclude patterns instead")
+    first = mods.keep_first_blocks_bf16
+    last = pc.last_blocks_bf16(blocks.count) if blocks else 0
+    last_rule = (f"keep_last_fraction_bf16={mods.keep_last_fraction_bf16}: the last {last}"
+                 if mods.keep_last_fraction_bf16 and last > mods.keep_last_blocks_bf16
+                 else f"keep_last_blocks_bf16={mods.keep_last_blocks_bf16}")
+    if (first or mods.keep_last_blocks_bf16 or mods.keep_last_fraction_bf16) and blocks is None:
+        raise ValueError("precision.modules.keep_first_blocks_bf16/keep_last_blocks_bf16/keep_last_fraction_bf16 are "
+                         "set, but the model has no repeated transformer blocks (no nn.ModuleList of >= 2 children of "
+                         "one type); set them to 0 and use modules.exclude or modules.overrides patterns instead")
     if blocks and first + last > blocks.count:
-        raise ValueError(f"precision.modules: keep_first_blocks_bf16 ({first}) + keep_last_blocks_bf16 ({last}) is "
-                         f"more than the model's {blocks.count} blocks")
+        raise ValueError(f"precision.modules: keep_first_blocks_bf16 ({first}) + {last} trailing blocks "
+                         f"({last_rule}) is more than the model's {blocks.count} blocks")
     if blocks is None:
         report.notes.append("no repeated transformer blocks found (no nn.ModuleList of same-type children)")
 
@@ -104,6 +108,7 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
         weight_name = f"{name}.weight"
         shared = [o for o in owners.get(id(m.weight), []) if o != weight_name]
         excl = next((p for p in mods.exclude if _matches(name, p)), None)
+        rule = next(((i, r) for i, r in enumerate(mods.overrides) if _matches(name, r.match)), None)
         idx = blocks.index_of(name) if blocks else None
         if isinstance(m, NVFP4Linear):
             fp4, reason = True, "already NVFP4Linear"
@@ -112,20 +117,23 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
                                   "Linear.forward)")
         elif shared:
             fp4, reason = False, f"weight shared with {', '.join(shared)} (tied): quantizing it would change that too"
-        elif excl is not None:
+        elif rule is not None and rule[1].precision == "bf16":
+            fp4, reason = False, f"modules.overrides[{rule[0]}] {rule[1].match!r} -> bf16"
+        elif rule is None and excl is not None:
             fp4, reason = False, f"excluded by modules.exclude pattern {excl!r}"
-        elif not any(_matches(name, p) for p in mods.include):
+        elif rule is None and not any(_matches(name, p) for p in mods.include):
             fp4, reason = False, f"not matched by modules.include {mods.include}"
-        elif idx is not None and idx < first:
+        elif rule is None and idx is not None and idx < first:
             fp4, reason = False, f"in block {idx} of {blocks.count} (keep_first_blocks_bf16={first})"
-        elif idx is not None and idx >= blocks.count - last:
-            fp4, reason = False, f"in block {idx} of {blocks.count} (keep_last_blocks_bf16={last})"
+        elif rule is None and idx is not None and idx >= blocks.count - last:
+            fp4, reason = False, f"in block {idx} of {blocks.count} ({last_rule})"
         elif n_in % 16:
             fp4, reason = False, f"in_features={n_in} is not a multiple of 16 (NVFP4 blocks run along K)"
         elif recipe.weight_block == "16x16" and n_out % 16:
             fp4, reason = False, f"out_features={n_out} is not a multiple of 16 (16x16 weight tiles)"
         else:
-            fp4, reason = True, "converted"
+            fp4, reason = True, "converted" + (f" (modules.overrides[{rule[0]}] {rule[1].match!r} -> fp4)"
+                                               if rule is not None else "")
             if n_out in vocab and idx is None:
                 reason += (f" (note: out_features equals the vocabulary of {vocab[n_out]!r}: if this is the LM head, "
                            f"add {name!r} to modules.exclude)")
