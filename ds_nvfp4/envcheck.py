@@ -143,7 +143,8 @@ def check_config(path: str) -> tuple[bool, str]:
     except BackendUnavailable as exc:
         return False, str(exc)
     sw = software()
-    if pc.weights.storage == "nvfp4" and ds.get("zero_optimization", {}).get("stage") == 3:
+    if pc.stored_packed(ds.get("zero_optimization", {}).get("stage", 0)) and \
+            ds.get("zero_optimization", {}).get("stage") == 3:
         if not sw["deepspeed"]:
             return False, "DeepSpeed is not installed"
         if not sw["deepspeed_in_tested_range"]:

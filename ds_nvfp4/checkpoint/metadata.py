@@ -42,6 +42,9 @@ class LayerRecord(_Record):
     params: int
     fp4: bool
     reason: str
+    kind: str = "Linear"           # schema 1 had Linear layers only
+    experts: int | None = None
+    transposed: bool = False
 
 
 class ConversionRecord(_Record):

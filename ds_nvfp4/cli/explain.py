@@ -33,20 +33,21 @@ def describe(ds: dict, pc: PrecisionConfig) -> list[str]:
         "what it means:",
         f"  FP4 GEMMs: {fp4} of the converted Linear layers; BF16: {bf16_gemms}.",
         "  Always BF16: attention BMMs, softmax, norms, embeddings, the LM head and every excluded layer.",
-        f"  Converted layers: names matching {pc.modules.include} minus {pc.modules.exclude}"
-        + (f", minus the first {pc.modules.keep_first_blocks_bf16}" if pc.modules.keep_first_blocks_bf16 else "")
-        + (f" and last {pc.modules.keep_last_blocks_bf16}" if pc.modules.keep_last_blocks_bf16 else "")
-        + " transformer blocks" * bool(pc.modules.keep_first_blocks_bf16 or pc.modules.keep_last_blocks_bf16) + ".",
+        "  Converted: nn.Linear, GPT-2 Conv1D and MoE experts (3-D expert weights; routers stay BF16) whose names "
+        f"match {pc.modules.include} minus {pc.modules.exclude}" + _block_rules(pc) + ".",
+        *(f"  modules.overrides[{i}]: {r.match!r} -> {r.precision} (checked first, in this order)"
+          for i, r in enumerate(pc.modules.overrides)),
         f"  Weights quantized with {pc.weights.block} blocks; activations 1x16 with a per-tensor dynamic amax"
         + (", RHT on both forward operands." if pc.activations.hadamard else "."),
     ]
-    if pc.weights.storage == "nvfp4":
+    if pc.stored_packed(stage):
         bpp = BYTES_PER_PARAM[("nvfp4", pc.weights.block)]
         lines.append(f"  ZeRO-3 partitions of converted weights stored packed: {bpp:.4f} bytes/param "
-                     f"({bpp / 2:.1%} of BF16's 2), re-quantized from the FP32 master after each step.")
+                     f"({bpp / 2:.1%} of BF16's 2), re-quantized from the FP32 master after each step "
+                     f"({pc.describe_storage(stage)}).")
     else:
-        lines.append(f"  Weights stored by DeepSpeed in BF16 (2 bytes/param, ZeRO stage {stage}); FP4 GEMMs quantize "
-                     "them on the fly.")
+        lines.append(f"  Weights stored by DeepSpeed in BF16 (2 bytes/param; {pc.describe_storage(stage)}); FP4 GEMMs "
+                     "quantize them on the fly.")
     lines.append(f"  All-gather: {pc.communication.all_gather}"
                  + (" (packed bytes + scales: 0.28x the BF16 traffic, identical gathered weights)"
                     if pc.communication.all_gather == "nvfp4" else " (dequantized just before the gather)")
@@ -61,7 +62,8 @@ def describe(ds: dict, pc: PrecisionConfig) -> list[str]:
         "non-finite values; masters unchanged" if nf.action == "raise" else
         f"the step is skipped (DeepSpeed's skip), counted in engine.ds_nvfp4.skipped_steps and logged; more than "
         f"{nf.max_consecutive_skips} in a row raise ds_nvfp4.NonFiniteError"))
-    if not (pc.modules.keep_first_blocks_bf16 or pc.modules.keep_last_blocks_bf16):
+    if not (pc.modules.keep_first_blocks_bf16 or pc.modules.keep_last_blocks_bf16
+            or pc.modules.keep_last_fraction_bf16):
         lines.append("  Every transformer block is FP4: on the 5M reference model this ends ~2% above BF16's "
                      "validation loss, where keeping the first and the last block BF16 matches it (docs/results.md; "
                      "ds_configs/nvfp4_zero3.json).")
@@ -72,6 +74,17 @@ def describe(ds: dict, pc: PrecisionConfig) -> list[str]:
     if pc.modules.fuse:
         lines.append(f"  Fused groups (one weight amax each, for inference engines): {pc.modules.fuse}")
     return lines
+
+
+def _block_rules(pc: PrecisionConfig) -> str:
+    m, parts = pc.modules, []
+    if m.keep_first_blocks_bf16:
+        parts.append(f"the first {m.keep_first_blocks_bf16}")
+    if m.keep_last_blocks_bf16 or m.keep_last_fraction_bf16:
+        frac = f"{m.keep_last_fraction_bf16:.0%} (rounded up)" if m.keep_last_fraction_bf16 else ""
+        count = str(m.keep_last_blocks_bf16) if m.keep_last_blocks_bf16 else ""
+        parts.append("the last " + (f"max({count}, {frac})" if frac and count else frac or count))
+    return (", minus " + " and ".join(parts) + " transformer blocks") if parts else ""
 
 
 def run(args: argparse.Namespace) -> int:

@@ -38,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
     for g in s.requantized:
         print(f"warning: fused group {g} was trained with separate amaxes: re-quantized with one global scale "
               "(its codes differ from training's)")
+    for note in s.notes:
+        print(f"note: {note}")
     if not s.hf_model:
         print("note: no HF config.json in the checkpoint folder: transformers and vLLM need one with "
               "'architectures' and 'model_type' (HF Trainer checkpoints have it)")

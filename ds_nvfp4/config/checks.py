@@ -208,11 +208,11 @@ def cross_check(ds: dict, pc: PrecisionConfig) -> list[Problem]:
                            "keep the full BF16 model on every rank and do not partition weights, so there is nothing "
                            'to store packed; write "storage": "bf16" (FP4 GEMMs, BF16 storage) or use stage 3',
                            ('"bf16"',)))
-    if pc.communication.all_gather == "nvfp4" and (stage != 3 or pc.weights.storage != "nvfp4"):
+    if pc.communication.all_gather == "nvfp4" and (stage != 3 or not pc.stored_packed(stage)):
         out.append(Problem("precision.communication.all_gather",
                            f'"nvfp4" gathers the packed partitions, so it needs zero_optimization.stage: 3 (found '
                            f'{_show(stage)}) and precision.weights.storage: "nvfp4" (found '
-                           f'{_show(pc.weights.storage)})', ('"bf16"',)))
+                           f'{_show(pc.weights.storage)}; null follows the stage)', ('"bf16"',)))
     if pc.backward.gemm == "nvfp4" and pc.weights.block != "16x16":
         out.append(Problem("precision.backward.gemm",
                            f'"nvfp4" needs precision.weights.block: "16x16" (found {_show(pc.weights.block)}): the '
@@ -224,8 +224,8 @@ def cross_check(ds: dict, pc: PrecisionConfig) -> list[Problem]:
         out.append(Problem("precision.communication.reduce_scatter",
                            f"{_show(pc.communication.reduce_scatter)} disagrees with communication_data_type: "
                            f"{_show(cdt)}; remove communication_data_type (ds_nvfp4 sets it) or make them agree"))
-    if pc.weights.storage == "nvfp4" and stage == 3:
-        out += _packed_storage_conflicts(ds)
+    if pc.stored_packed(stage) and stage == 3:
+        out += _packed_storage_conflicts(ds, explicit=pc.weights.storage == "nvfp4")
     if get_path(ds, "bf16.check_grad_overflow", True) is False:
         out.append(Problem("bf16.check_grad_overflow", "is false, so DeepSpeed applies steps whose gradients hold "
                                                        "NaN/Inf and precision.nonfinite cannot stop them before they "
@@ -285,12 +285,13 @@ PACKED_STORAGE_CONFLICTS = {
 }
 
 
-def _packed_storage_conflicts(ds: dict) -> list[Problem]:
+def _packed_storage_conflicts(ds: dict, explicit: bool) -> list[Problem]:
+    storage = 'precision.weights.storage: "nvfp4"' if explicit else \
+        "packed NVFP4 storage (weights.storage null follows the stage: packed under ZeRO-3)"
     out = []
     for path, (bad, why) in PACKED_STORAGE_CONFLICTS.items():
         if get_path(ds, path) == bad:
-            out.append(Problem(path, f'{_show(bad)} cannot be combined with precision.weights.storage: "nvfp4": '
-                                     f"{why}"))
+            out.append(Problem(path, f"{_show(bad)} cannot be combined with {storage}: {why}"))
     return out
 
 

@@ -19,8 +19,10 @@ class StrictModel(BaseModel):
 
 
 class WeightsConfig(StrictModel):
-    storage: Literal["nvfp4", "bf16"] = Field(
-        "nvfp4", description="nvfp4: ZeRO-3 partitions of converted weights kept packed; bf16: DeepSpeed's own")
+    storage: Literal["nvfp4", "bf16"] | None = Field(
+        None, description="nvfp4: ZeRO-3 partitions of converted weights kept packed; bf16: DeepSpeed's own; null "
+                          "(default): follow the ZeRO stage (packed under ZeRO-3, BF16 under ZeRO-0/1/2, where "
+                          "every rank holds the full BF16 model and there is nothing to pack)")
     block: Literal["16x16", "1x16"] = Field(
         "16x16", description="weight block layout; 16x16 is closed under transposition (needed by the FP4 backward)")
 
@@ -120,6 +122,18 @@ class PrecisionConfig(StrictModel):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+
+    def stored_packed(self, stage: int) -> bool:
+        """Whether converted weights are stored packed NVFP4 at ZeRO ``stage`` (``weights.storage`` null follows the
+        stage: packed under ZeRO-3 only)."""
+        return self.weights.storage == "nvfp4" or (self.weights.storage is None and stage == 3)
+
+    def describe_storage(self, stage: int) -> str:
+        """How converted weights are stored, with the reason when the stage decided it."""
+        how = "packed NVFP4" if self.stored_packed(stage) else "BF16"
+        why = (f"weights.storage {self.weights.storage!r}" if self.weights.storage
+               else f"ZeRO-{stage}: storage follows the stage (weights.storage null)")
+        return f"weights stored {how} ({why})"
 
     def last_blocks_bf16(self, blocks: int) -> int:
         """How many trailing blocks of a model with ``blocks`` blocks stay BF16 (the count or the fraction)."""

@@ -29,8 +29,8 @@ def summary_line(state: NVFP4State, report: StorageReport | None = None) -> str:
     kept_text = f"{len(kept)} kept BF16" + (f" ({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''})"
                                             if kept else "")
     total = c.fp4_params + c.bf16_params
-    text = (f"ds_nvfp4: NVFP4 training ON: {len(c.converted)} Linear layers NVFP4, {kept_text}; "
-            f"{c.fp4_params / total if total else 0:.1%} of parameters; {p.describe_recipe()}; kernel {c.kernel}"
+    text = (f"ds_nvfp4: NVFP4 training ON: {len(c.converted)} GEMM weights NVFP4 ({c.fp4_by_kind()}), {kept_text}; "
+            f"{c.fp4_params / total if total else 0:.1%} of all parameters; {p.describe_recipe()}; kernel {c.kernel}"
             + (f" ({state.selection.operand.split(' (')[0]})" if state.selection.operand else ""))
     if c.fused_groups:
         text += f"; {len(c.fused_groups)} fused groups share an amax"
@@ -38,5 +38,5 @@ def summary_line(state: NVFP4State, report: StorageReport | None = None) -> str:
         text += (f"; ZeRO-3 weights packed: {report.packed_bytes:,} bytes vs {report.packed_bf16_equivalent_bytes:,} "
                  f"in BF16 ({report.ratio:.3f}x, rank {report.rank})")
     else:
-        text += f"; weights stored BF16 (weights.storage {p.weights.storage!r})"
+        text += f"; {p.describe_storage(state.stage)}"
     return text

@@ -20,7 +20,8 @@ import ds_nvfp4_autohook as autohook
 from ..config import ConfigError, PrecisionConfig, Problem, load_config
 from ..config.schedule import SchedulePlan
 from ..kernels import select
-from ..nn import ConversionReport, NVFP4Linear, convert_model
+from ..nn import ConversionReport, convert_model
+from ..nn.module import FP4Module
 from ..zero import seams
 from ..zero.shm import release_shm_workspace
 from .announce import announce, summary_line
@@ -66,7 +67,7 @@ def initialize(*args, **kwargs):
 
     ds_config = _effective_ds_config(ds_config, precision)
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    packed = stage == 3 and precision.weights.storage == "nvfp4"
+    packed = stage == 3 and precision.stored_packed(stage)
     warning = seams.check_version(packed, os.environ.get(seams.ALLOW_UNTESTED_ENV) == "1")
     if warning:
         log.warning("ds_nvfp4: %s", warning)
@@ -76,6 +77,7 @@ def initialize(*args, **kwargs):
         raise ValueError("ds_nvfp4.initialize needs model=... (the module to convert)")
     selection = select(precision.kernel)
     conversion = convert_model(model, precision, selection=selection, blocks=pipeline_blocks(model))
+    _refuse_nothing_fp4(conversion, model)
     if stage == 3 and not packed:
         _unfuse(model, conversion, conversion.fused_groups, "ZeRO-3 with weights.storage \"bf16\" gathers one "
                                                             "layer at a time, so no forward sees its peers' weights")
@@ -95,8 +97,8 @@ def initialize(*args, **kwargs):
     state = NVFP4State(precision, selection, conversion, ds_config=ds_config, stage=stage,
                        rank=dist.get_rank() if dist.is_initialized() else 0,
                        world_size=dist.get_world_size() if dist.is_initialized() else 1)
-    layers = [m for m in engine.module.modules() if isinstance(m, NVFP4Linear)]
-    converted = {id(m.weight): m.weight_codes for m in layers}
+    layers = [m for m in engine.module.modules() if isinstance(m, FP4Module)]
+    converted = {id(p): codes for m in layers for _, p, codes in m.fp4_weights()}
     scopes = ("engine",) + (("pipeline",) if is_pipeline(engine) else ()) + (("packed",) if packed else ())
     sample = next((p for p in engine.module.parameters() if id(p) in converted), None)
     seams.check(seams.Targets(engine, engine.optimizer, sample), scopes)  # before anything is changed
@@ -126,6 +128,21 @@ def initialize(*args, **kwargs):
         announce(summary_line(state, report) + "\n" + conversion.table()
                  + (f"\n{report.summary()}" if report is not None else ""))
     return engine, optimizer, loader, scheduler
+
+
+def _refuse_nothing_fp4(conversion: ConversionReport, model) -> None:
+    """``precision.enabled`` with no GEMM in FP4 would print "NVFP4 ON" over a BF16 run: stop, saying what was found
+    and why each GEMM stayed BF16."""
+    if conversion.converted:
+        return
+    found = [f"{d.name} ({d.kind}): {d.reason}" for d in conversion.layers][:12]
+    more = f" (and {len(conversion.layers) - 12} more)" if len(conversion.layers) > 12 else ""
+    what = "; ".join(found) + more if found else (f"no GEMM module at all in {type(model).__name__} (ds_nvfp4 converts "
+                                                   "nn.Linear, Conv1D and MoE experts)")
+    raise ConfigError([Problem("precision.enabled", "true, but no GEMM of the model would run in FP4, so the run "
+                                                    f"would be plain BF16: {what}. Adjust precision.modules "
+                                                    "(include/exclude/overrides, the block rules) or set "
+                                                    "precision.enabled: false")])
 
 
 def _effective_ds_config(ds_config: dict, precision: PrecisionConfig) -> dict:

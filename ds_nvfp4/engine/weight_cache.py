@@ -21,7 +21,7 @@ class WeightCache(Feature):
     name = "weight_cache"
 
     def __init__(self, state: NVFP4State, layers: list) -> None:
-        self.codes = [m.weight_codes for m in layers]
+        self.codes = [codes for m in layers for _, _, codes in m.fp4_weights()]
         self.enabled = state.stage < 3 and os.environ.get(ENV, "1").strip() != "0"
         for c in self.codes:
             c.cache = self.enabled

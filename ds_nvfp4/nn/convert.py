@@ -1,4 +1,9 @@
-"""`convert_model`: swap eligible ``nn.Linear`` modules for NVFP4Linear, in place, and say why for each."""
+"""`convert_model`: turn the model's GEMM modules FP4 in place, and say why for each one that is not.
+
+GEMM modules it knows: ``nn.Linear`` (-> ``NVFP4Linear``), GPT-2-style ``Conv1D`` (nn/conv1d.py) and MoE experts
+with 3-D expert weights (nn/experts.py). Routers (``*Router`` modules) and any other module with a matrix weight
+that is not one of those are listed as BF16 with the reason, so the report accounts for every GEMM.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,10 @@ from torch import nn
 from ..config import PrecisionConfig
 from ..kernels import Selection, select
 from .blocks import Blocks, find_blocks
+from .conv1d import FP4Conv1D, conv1d_blocker, is_conv1d
+from .experts import FP4Experts, experts_blocker, gemm_shapes, is_experts
 from .linear import NVFP4Linear
+from .module import FP4Module
 from .recipe import Recipe
 from .report import ConversionReport, LayerDecision
 from .weights import FusedGroup
@@ -23,14 +31,47 @@ def _numel(p: nn.Parameter) -> int:
     return int(getattr(p, "ds_numel", p.numel()))
 
 
-def _shape(m: nn.Linear) -> tuple[int, int]:
-    return m.out_features, m.in_features
+def _kind(m: nn.Module) -> str | None:
+    """The GEMM kind of a module ("Linear", "Conv1D", "experts", "router", "other"), None when it has no GEMM."""
+    if isinstance(m, FP4Module):
+        return m.kind
+    if isinstance(m, nn.Linear):
+        return "Linear"
+    if is_conv1d(m):
+        return "Conv1D"
+    if is_experts(m):
+        return "experts"
+    weight = m._parameters.get("weight")
+    if weight is None or len(getattr(weight, "ds_shape", weight.shape)) < 2 or isinstance(m, nn.Embedding):
+        return None
+    return "router" if type(m).__name__.lower().endswith("router") else "other"
 
 
 def _matches(name: str, pattern: str) -> bool:
     """fnmatch against the full dotted name or any dotted suffix of it ("lm_head" matches "model.lm_head")."""
     parts = name.split(".")
     return any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts)))
+
+
+def _gemm_weights(m: nn.Module, kind: str) -> list[tuple]:
+    """``(report-name function, parameter name, (experts or None, N, K))`` of each GEMM weight of a module."""
+    if kind == "experts":
+        return [((lambda name, p=p: f"{name}.{p}"), p, shape) for p, shape in gemm_shapes(m).items()]
+    n_out, n_in = (m.nf, m.nx) if kind == "Conv1D" else (m.out_features, m.in_features)
+    return [((lambda name: name), "weight", (None, n_out, n_in))]
+
+
+def _blocker(m: nn.Module, kind: str, recipe: Recipe) -> str | None:
+    """A shape or layout reason why the module cannot run FP4 GEMMs, or None."""
+    if kind == "Conv1D":
+        return conv1d_blocker(m, recipe)
+    if kind == "experts":
+        return experts_blocker(m, recipe)
+    if m.in_features % 16:
+        return f"in_features={m.in_features} is not a multiple of 16 (NVFP4 blocks run along K)"
+    if recipe.weight_block == "16x16" and m.out_features % 16:
+        return f"out_features={m.out_features} is not a multiple of 16 (16x16 weight tiles)"
+    return None
 
 
 def _fuse(model: nn.Module, report: ConversionReport, groups: list[list[str]]) -> None:
@@ -102,16 +143,24 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
     vocab = {m.num_embeddings: n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
 
     for name, m in list(model.named_modules()):
-        if not isinstance(m, nn.Linear):
+        kind = _kind(m)
+        if kind is None:
             continue
-        n_out, n_in = _shape(m)
-        weight_name = f"{name}.weight"
-        shared = [o for o in owners.get(id(m.weight), []) if o != weight_name]
-        excl = next((p for p in mods.exclude if _matches(name, p)), None)
-        rule = next(((i, r) for i, r in enumerate(mods.overrides) if _matches(name, r.match)), None)
+        if kind in ("router", "other"):
+            w = m._parameters["weight"]
+            shape = tuple(getattr(w, "ds_shape", w.shape))
+            why = ("a router: its GEMM decides the routing, which stays BF16 (as in every NVFP4 recipe)"
+                   if kind == "router" else f"{type(m).__name__} is not a GEMM module ds_nvfp4 converts (nn.Linear, "
+                                            "Conv1D, MoE experts)")
+            report.layers.append(LayerDecision(name, shape[-1], shape[0], _numel(w), False, why, kind=kind))
+            continue
         idx = blocks.index_of(name) if blocks else None
-        if isinstance(m, NVFP4Linear):
-            fp4, reason = True, "already NVFP4Linear"
+        rule = next(((i, r) for i, r in enumerate(mods.overrides) if _matches(name, r.match)), None)
+        excl = next((p for p in mods.exclude if _matches(name, p)), None)
+        shared = [o for _, pname, _ in _gemm_weights(m, kind) for o in owners.get(id(getattr(m, pname)), [])
+                  if o != f"{name}.{pname}"]
+        if isinstance(m, FP4Module):
+            fp4, reason = True, f"already {type(m).__name__}"
         elif name in mha_children:
             fp4, reason = False, ("read directly by nn.MultiheadAttention's fused kernel (its forward never calls "
                                   "Linear.forward)")
@@ -127,22 +176,24 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
             fp4, reason = False, f"in block {idx} of {blocks.count} (keep_first_blocks_bf16={first})"
         elif rule is None and idx is not None and idx >= blocks.count - last:
             fp4, reason = False, f"in block {idx} of {blocks.count} ({last_rule})"
-        elif n_in % 16:
-            fp4, reason = False, f"in_features={n_in} is not a multiple of 16 (NVFP4 blocks run along K)"
-        elif recipe.weight_block == "16x16" and n_out % 16:
-            fp4, reason = False, f"out_features={n_out} is not a multiple of 16 (16x16 weight tiles)"
+        elif (blocker := _blocker(m, kind, recipe)) is not None:
+            fp4, reason = False, blocker
         else:
             fp4, reason = True, "converted" + (f" (modules.overrides[{rule[0]}] {rule[1].match!r} -> fp4)"
                                                if rule is not None else "")
-            if n_out in vocab and idx is None:
+            n_out = m.out_features if kind == "Linear" else None
+            if kind == "Linear" and n_out in vocab and idx is None:
                 reason += (f" (note: out_features equals the vocabulary of {vocab[n_out]!r}: if this is the LM head, "
                            f"add {name!r} to modules.exclude)")
                 report.notes.append(f"{name} looks like an LM head and was quantized: no exclude pattern matched it")
-            NVFP4Linear.from_linear(m, recipe)
-        report.layers.append(LayerDecision(name, n_in, n_out, _numel(m.weight), fp4, reason))
+            {"Linear": NVFP4Linear, "Conv1D": FP4Conv1D, "experts": FP4Experts}[kind].convert(m, recipe)
+        for label, pname, (e, n_out, n_in) in _gemm_weights(m, kind):
+            transposed = kind == "Conv1D" or (kind == "experts" and bool(getattr(m, "is_transposed", False)))
+            report.layers.append(LayerDecision(label(name), n_in, n_out, _numel(getattr(m, pname)), fp4, reason,
+                                               kind=kind, experts=e, transposed=transposed))
 
     _fuse(model, report, mods.fuse)
-    fp4_ids = {id(model.get_submodule(d.name).weight) for d in report.layers if d.fp4}
+    fp4_ids = {id(p) for m in model.modules() if isinstance(m, FP4Module) for _, p, _ in m.fp4_weights()}
     for p in {id(p): p for p in model.parameters()}.values():
         if id(p) in fp4_ids:
             report.fp4_params += _numel(p)

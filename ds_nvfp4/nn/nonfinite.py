@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .linear import NVFP4Linear
+from .module import FP4Module
 
 
 class NonFiniteError(FloatingPointError):
@@ -18,7 +18,7 @@ def nonfinite_layers(module: nn.Module, read: bool = True) -> list[str]:
     sync when ``read``; none otherwise (a step that was not skipped only needs the reset)."""
     import torch
 
-    layers = [(n, m) for n, m in module.named_modules() if isinstance(m, NVFP4Linear) and m.nonfinite is not None]
+    layers = [(n, m) for n, m in module.named_modules() if isinstance(m, FP4Module) and m.nonfinite is not None]
     flags = torch.stack([m.nonfinite for _, m in layers]).cpu().tolist() if (read and layers) else []
     for _, m in layers:
         m.nonfinite = None

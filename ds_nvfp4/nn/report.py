@@ -1,4 +1,4 @@
-"""`ConversionReport`: every Linear of the model with its decision and the reason, as a table and as JSON."""
+"""`ConversionReport`: every GEMM weight of the model with its decision and the reason, as a table and as JSON."""
 
 from __future__ import annotations
 
@@ -8,12 +8,17 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class LayerDecision:
-    name: str
-    in_features: int
-    out_features: int
-    params: int          # weight elements
+    """One GEMM weight of the model: a Linear's or Conv1D's weight, or one 3-D experts parameter."""
+
+    name: str            # the module's dotted name; for experts "<module>.<parameter>" (gate_up_proj, down_proj)
+    in_features: int     # K of the GEMM
+    out_features: int    # N of the GEMM (per expert)
+    params: int          # weight elements (all experts)
     fp4: bool
     reason: str
+    kind: str = "Linear"           # Linear, Conv1D, experts, router, other
+    experts: int | None = None     # E for a 3-D experts weight
+    transposed: bool = False       # stored [K, N] (Conv1D; experts of classes with is_transposed)
 
 
 @dataclass
@@ -38,6 +43,14 @@ class ConversionReport:
     def kept_bf16(self) -> list[str]:
         return [d.name for d in self.layers if not d.fp4]
 
+    def fp4_by_kind(self) -> str:
+        """E.g. "28 Linear, 16 experts tensors" (what is NVFP4, by module kind)."""
+        counts: dict[str, int] = {}
+        for d in self.layers:
+            if d.fp4:
+                counts[d.kind] = counts.get(d.kind, 0) + 1
+        return ", ".join(f"{n} {'experts tensors' if k == 'experts' else k}" for k, n in counts.items()) or "nothing"
+
     def to_dict(self) -> dict:
         d = asdict(self)
         total = self.fp4_params + self.bf16_params
@@ -53,14 +66,16 @@ class ConversionReport:
         total = self.fp4_params + self.bf16_params
         lines = [f"NVFP4 conversion: kernel {self.kernel} ({self.kernel_reason})",
                  f"transformer blocks: {self.blocks or 'none found'}",
-                 f"{'layer':<{w}}  {'shape':>13}  {'params':>10}  precision  reason",
-                 f"{'-' * w}  {'-' * 13}  {'-' * 10}  ---------  ------"]
+                 f"{'layer':<{w}}  {'kind':<7}  {'shape':>16}  {'params':>11}  precision  reason",
+                 f"{'-' * w}  {'-' * 7}  {'-' * 16}  {'-' * 11}  ---------  ------"]
         for d in self.layers:
-            shape = f"{d.out_features}x{d.in_features}"
-            lines.append(f"{d.name:<{w}}  {shape:>13}  {d.params:>10,}  {'NVFP4' if d.fp4 else 'BF16':<9}  {d.reason}")
+            shape = (f"{d.experts}x" if d.experts else "") + f"{d.out_features}x{d.in_features}"
+            precision = "NVFP4" if d.fp4 else "BF16"
+            lines.append(f"{d.name:<{w}}  {d.kind:<7}  {shape:>16}  {d.params:>11,}  {precision:<9}  {d.reason}")
         frac = self.fp4_params / total if total else 0.0
-        lines.append(f"{len(self.converted)} of {len(self.layers)} Linear layers in NVFP4; parameters: "
-                     f"{self.fp4_params:,} NVFP4 ({frac:.1%}), {self.bf16_params:,} BF16")
+        lines.append(f"{len(self.converted)} of {len(self.layers)} GEMM weights in NVFP4 ({self.fp4_by_kind()}); "
+                     f"parameters (all of the model's): {self.fp4_params:,} NVFP4 ({frac:.1%}), "
+                     f"{self.bf16_params:,} BF16")
         if self.fused_groups:
             lines.append(f"{len(self.fused_groups)} fused groups share one weight amax each (modules.fuse), e.g. "
                          f"{', '.join(self.fused_groups[0])}")

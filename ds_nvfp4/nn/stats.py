@@ -64,9 +64,9 @@ class StatsCollector:
     """
 
     def __init__(self, model: nn.Module, interval: int) -> None:
-        from .linear import NVFP4Linear
+        from .module import FP4Module
 
-        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, FP4Module)}
         self.interval = interval
         self.active = False
 

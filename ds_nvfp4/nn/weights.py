@@ -43,59 +43,85 @@ class FusedGroup:
 
 
 class WeightCodes:
-    """How one NVFP4 layer gets its weight's NVFP4 codes for a forward.
+    """How one NVFP4 weight gets its NVFP4 codes for a forward GEMM.
 
-    A forward asks :meth:`reuse` first, which answers, in this order:
+    A forward first asks :meth:`reuse`, which answers, in this order:
 
     1. the codes the packed ZeRO-3 storage gathered with the weight (``communication.all_gather: "nvfp4"``,
-       :meth:`offer_gathered`), while the gathered weight is unchanged: they are exactly what quantizing it with its
-       agreed amax gives (the exactness invariant of docs/zero.md). Not for RHT layers (they quantize H(W));
+       :meth:`offer_gathered`), while the gathered weight is unchanged (its storage and version counter): they are
+       exactly what quantizing it with its agreed amax gives (the exactness invariant of docs/zero.md). Not for RHT
+       layers (they quantize H(W)). An edit through ``param.data`` bypasses the version counter and is not seen;
     2. the codes of an earlier forward of the same optimizer step when :attr:`cache` is on (ZeRO-0/1/2: the weight
        changes only at optimizer steps; gradient accumulation, activation-checkpointing recomputation and
        evaluation forwards reuse them). The engine's weight-cache feature turns it on and calls :meth:`invalidate`
        after every optimizer step and checkpoint load;
-    3. nothing: the layer quantizes its weight with :meth:`amax` and hands the codes to :meth:`keep`.
+    3. nothing: the module quantizes the weight with :meth:`amax` and hands the codes to :meth:`keep`.
+
+    ``experts``: the weight is ``[E, N, K]`` (one matrix per expert, each with its own amax: :attr:`agreed_amax` is
+    ``[E]``) and every call names the expert ``index``. ``transposed``: the weight is stored ``[K, N]`` (a Conv1D);
+    codes are always kept in the GEMM's ``[N, K]`` layout, so gathered codes of the stored layout are transposed
+    once when offered (exact for 16x16 tiles).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, experts: int | None = None, transposed: bool = False) -> None:
+        self.experts = experts
+        self.transposed = transposed
         #: reuse this step's codes (set by the engine; off for a bare ``convert_model``)
         self.cache = False
-        #: float32 per-tensor amax the packed ZeRO-3 storage agreed across ranks (the FP32 master's), or None
+        #: float32 per-tensor amax (``[E]`` per expert) the packed ZeRO-3 storage agreed across ranks, or None
         self.agreed_amax: torch.Tensor | None = None
         #: the fused group whose shared amax this weight takes (None: its own)
         self.group: FusedGroup | None = None
-        #: how many times the layer quantized its weight (every forward without reuse; counted before the GEMM:
+        #: how many times the module quantized this weight (every forward without reuse; counted before the GEMM:
         #: an activation-checkpointing recomputation may stop right after it)
         self.quantizations = 0
         self._gathered: tuple[tuple, Codes] | None = None
-        self._cached: tuple[tuple, Codes] | None = None
+        self._cached: dict[int | None, tuple[tuple, Codes]] = {}
 
-    def reuse(self, weight: torch.Tensor, *, gathered_ok: bool = True) -> Codes | None:
-        """Codes valid for ``weight``'s current values, or None (the layer must quantize)."""
+    def reuse(self, weight: torch.Tensor, *, index: int | None = None, gathered_ok: bool = True) -> Codes | None:
+        """Codes valid for ``weight``'s current values (expert ``index`` of a 3-D weight), or None."""
         token = _token(weight)
         if gathered_ok and self._gathered is not None and self._gathered[0] == token:
-            return self._gathered[1]
-        if self.cache and self._cached is not None and self._cached[0] == token:
-            return self._cached[1]
-        return None
+            codes = self._gathered[1]
+            return codes if index is None else tuple(c[index] for c in codes)
+        hit = self._cached.get(index) if self.cache else None
+        return hit[1] if hit is not None and hit[0] == token else None
 
-    def amax(self) -> torch.Tensor | None:
-        """The per-tensor amax to quantize with: the storage's agreed one, the fused group's, or None (the weight's
-        own max |W|)."""
+    def amax(self, index: int | None = None) -> torch.Tensor | None:
+        """The per-tensor amax to quantize with (float32 0-dim): the storage's agreed one, the fused group's, or
+        None (the weight's own max |W|)."""
         if self.agreed_amax is not None:
-            return self.agreed_amax
+            return self.agreed_amax if index is None else self.agreed_amax[index]
         return self.group.amax() if self.group is not None else None
 
-    def keep(self, weight: torch.Tensor, codes: Codes) -> None:
-        """The layer quantized ``weight`` into ``codes`` (kept for reuse when :attr:`cache` is on)."""
-        self._cached = (_token(weight), tuple(c.detach() for c in codes)) if self.cache else None
+    def keep(self, weight: torch.Tensor, codes: Codes, index: int | None = None) -> None:
+        """The module quantized ``weight`` (expert ``index``) into ``codes`` (kept for reuse when :attr:`cache`)."""
+        if self.cache:
+            self._cached[index] = (_token(weight), tuple(c.detach() for c in codes))
+        else:
+            self._cached.clear()
 
     def invalidate(self) -> None:
         """The weight changed where its version counter cannot see it (an optimizer step, a checkpoint load)."""
-        self._cached = None
+        self._cached.clear()
 
     def offer_gathered(self, weight: torch.Tensor, codes: Codes) -> None:
-        """The storage gathered ``weight`` together with its ``codes`` (valid until :meth:`drop_gathered`)."""
+        """The storage gathered ``weight`` together with its codes in the weight's stored layout (``[E, ...]`` per
+        expert; ``[K, N]`` for a transposed weight); valid until :meth:`drop_gathered`."""
+        if self.transposed:
+            from ..format import NVFP4Storage
+
+            def t(data, scale, amax):
+                k, half_n = data.shape
+                q = NVFP4Storage(data, scale, amax, torch.Size((k, 2 * half_n)), "16x16").t()
+                return q.data, q.scale, q.amax
+
+            data, scale, amax = codes
+            if data.dim() == 3:  # one matrix per expert
+                per = [t(data[e], scale[e], amax[e]) for e in range(data.shape[0])]
+                codes = tuple(torch.stack(c) for c in zip(*per))
+            else:
+                codes = t(data, scale, amax)
         self._gathered = (_token(weight), codes)
 
     def drop_gathered(self) -> None:

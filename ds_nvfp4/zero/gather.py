@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..format import NVFP4Storage
+from .partition import from_wire
 
 if TYPE_CHECKING:
     from .packed import Entry, PackedPartitions
@@ -61,13 +61,13 @@ class _PackedGatherHandle:
         self.store, self.entries, self.status = store, entries, ZeroParamStatus
         group = entries[0].param.ds_process_group
         self.world = dist.get_world_size(group=group)
-        comm_dev = store.comm_device
         parts = []
         for e in entries:
             e.param.ds_status = ZeroParamStatus.INFLIGHT
-            parts += [e.q.data.reshape(-1), e.q.scale.view(torch.uint8).reshape(-1)]
-        send = torch.cat(parts).to(comm_dev)
-        self.recv = torch.empty(send.numel() * self.world, dtype=torch.uint8, device=comm_dev)
+            parts.append(e.q.wire())
+        self.sizes = [t.numel() for t in parts]
+        send = torch.cat(parts).to(store.comm_device)
+        self.recv = torch.empty(send.numel() * self.world, dtype=torch.uint8, device=store.comm_device)
         dist.all_gather_into_tensor(self.recv, send, group=group)
         store.gathered_bytes += self.recv.numel()
         self.per_rank = send.numel()
@@ -78,20 +78,15 @@ class _PackedGatherHandle:
             return
         chunks = self.recv.view(self.world, self.per_rank)
         off = 0
-        for e in self.entries:
-            q = e.q
-            nd, ns = q.data.numel(), q.scale.numel()
-            data = chunks[:, off:off + nd].reshape(-1, q.data.shape[-1])
-            scale = chunks[:, off + nd:off + nd + ns].contiguous().view(torch.float8_e4m3fn)
-            scale = scale.reshape(-1, q.scale.shape[-1])
-            off += nd + ns
-            rows = q.shape[0] * self.world
-            full = NVFP4Storage(data.to(q.device), scale.to(q.device), q.amax, torch.Size((rows, q.shape[1])), q.block)
+        for e, size in zip(self.entries, self.sizes):
             p = e.param
-            p.data = full.dequantize(p.ds_tensor.dtype).reshape(-1)[: p.ds_numel].view(p.ds_shape).to(p.device)
-            k = p.ds_shape[-1]  # the codes in the weight's own [N, K] block layout (no padding: packable)
-            e.codes.offer_gathered(p, (full.data.reshape(-1, k // 2).to(p.device),
-                                       full.scale.reshape(-1, k // 16).to(p.device), q.amax.to(p.device)))
+            dev = p.ds_tensor.device
+            weight, (data, scale, amax) = from_wire(chunks[:, off:off + size].to(dev), tuple(p.ds_shape),
+                                                    self.store.block, e.codes.agreed_amax.to(dev))
+            off += size
+            p.data = weight.to(p.ds_tensor.dtype).view(p.ds_shape).to(p.device)
+            # the codes as they arrived: the forward multiplies them instead of quantizing again
+            e.codes.offer_gathered(p, (data.to(p.device), scale.to(p.device), amax.to(p.device)))
             p.ds_status = self.status.AVAILABLE
         self.done = True
 

@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..format import NVFP4Storage
 from ..nn.fused import share_amax
 from ..nn.nonfinite import NonFiniteError
 from ..nn.weights import WeightCodes
 from .collectives import agree_max
-from .partition import PartitionLayout, pack_partition, partition_layout, unpack_partition
+from .partition import PackedPartition, PartitionLayout, local_amax, pack_partition, partition_layout, unpack_partition
 
 log = logging.getLogger("ds_nvfp4")
 
@@ -38,7 +37,7 @@ class Entry:
     offset: int
     numel: int
     layout: PartitionLayout | None = None   # None: not a converted weight
-    q: NVFP4Storage | None = None           # the packed partition when packable
+    q: PackedPartition | None = None        # the packed partition when packable
     codes: WeightCodes | None = None        # the owning layer's weight-codes contract (converted weights)
 
     @property
@@ -115,14 +114,15 @@ class PackedPartitions:
         self.not_available = ZeroParamStatus.NOT_AVAILABLE  # looked up once: _needs runs on every gather
         self.comm_device = torch.device(get_accelerator().current_device_name())
         for sid, params in enumerate(self.opt.fp16_groups):
-            ws = dist.get_world_size(group=self.opt.sub_group_process_groups[sid])
+            pg = self.opt.sub_group_process_groups[sid]
+            ws, rank = dist.get_world_size(group=pg), dist.get_rank(group=pg)
             group, off = [], 0
             for p in params:
                 numel = int(p.partition_numel())
                 e = Entry(p, names.get(id(p), f"ds_id {p.ds_id}"), sid, off, numel)
                 if id(p) in converted:
                     e.codes = converted[id(p)]
-                    e.layout = partition_layout(tuple(p.ds_shape), numel, ws, block)
+                    e.layout = partition_layout(tuple(p.ds_shape), numel, ws, block, rank)
                     if not e.layout.packable:
                         self.kept_bf16[e.name] = e.layout.reason
                 group.append(e)
@@ -159,24 +159,33 @@ class PackedPartitions:
         group = self.by_group[sid]
         packable = [e for e in group if e.packable]
         if packable:
-            local = torch.stack([fp32.narrow(0, e.offset, e.numel).detach().abs().amax().float()
-                                 for e in packable])
+            # one amax per 2-D weight, one per expert of a 3-D one: all of them in one vector
+            parts = [local_amax(fp32.narrow(0, e.offset, e.numel), e.layout).reshape(-1) for e in packable]
+            sizes = [t.numel() for t in parts]
             # one collective per sub-group: the per-tensor amax must be the max over every rank's partition
             # (NaN-safe: a non-finite master stops every rank with the same error, see agree_max)
-            local, bad = agree_max(local, group=self.opt.sub_group_process_groups[sid])
-            if bool(bad.any()):
-                names = [e.name for e, b in zip(packable, bad.tolist()) if b]
+            agreed, bad = agree_max(torch.cat(parts), group=self.opt.sub_group_process_groups[sid])
+            agreed, bad = agreed.split(sizes), [bool(b.any()) for b in bad.split(sizes)]
+            if any(bad):
+                names = [e.name for e, b in zip(packable, bad) if b]
                 raise NonFiniteError(f"ds_nvfp4: the FP32 master weights of {', '.join(names[:4])} hold NaN/Inf "
                                      "on some rank after an optimizer step whose gradients were finite (an "
                                      "unstable update): they are not packed; resume from the last checkpoint, "
                                      "e.g. with a lower learning rate")
-            index = {id(e): i for i, e in enumerate(packable)}
-            # one global scale per fused inference GEMM: every member takes the group's max
-            local = share_amax(local, [[index[id(e)] for e in members] for members in self.fused.get(sid, ())])
-            for e, amax in zip(packable, local):
-                q = pack_partition(fp32.narrow(0, e.offset, e.numel).detach(), e.layout, self.block, amax.clone())
+            amaxes = [a.reshape(()) if e.layout.experts is None else a for e, a in zip(packable, agreed)]
+            fused = self.fused.get(sid, ())
+            if fused:  # one global scale per fused inference GEMM (2-D weights): every member takes the group's max
+                index = {id(e): i for i, e in enumerate(packable)}
+                scalar = [i for i, e in enumerate(packable) if e.layout.experts is None]
+                at = {i: j for j, i in enumerate(scalar)}
+                shared = share_amax(torch.stack([amaxes[i] for i in scalar]),
+                                    [[at[index[id(e)]] for e in members] for members in fused])
+                for i, j in at.items():
+                    amaxes[i] = shared[j]
+            for e, amax in zip(packable, amaxes):
+                q = pack_partition(fp32.narrow(0, e.offset, e.numel).detach(), e.layout, self.block, amax)
                 e.q = q.to(e.param.ds_tensor.device)
-                e.codes.agreed_amax = e.q.amax
+                e.codes.agreed_amax = amax.to(e.param.ds_tensor.device).clone()
                 e.param.ds_tensor.data = _placeholder(e.param.ds_tensor)
         rest = [e for e in group if not e.packable]
         if rest:
@@ -296,9 +305,12 @@ class PackedPartitions:
         self.dist.all_reduce(changed, op=self.dist.ReduceOp.MAX, group=p.ds_process_group)
         if changed.item() == 0:
             return
-        amax = full.detach().float().abs().amax()
+        if e.layout.experts is None:
+            amax = full.detach().float().abs().amax()
+        else:
+            amax = full.detach().float().abs().reshape(e.layout.experts, -1).amax(1)
         e.q = pack_partition(mine.detach().float(), e.layout, self.block, amax).to(p.ds_tensor.device)
-        e.codes.agreed_amax = e.q.amax
+        e.codes.agreed_amax = amax.to(p.ds_tensor.device)
 
     # ---- reporting ------------------------------------------------------------------------------------------
     def report(self) -> StorageReport:

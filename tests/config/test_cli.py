@@ -44,7 +44,7 @@ def test_invalid_file_lines_name_file_path_and_allowed(tmp_path: Path) -> None:
     r = cli("validate", "--no-deepspeed", f, good)
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
-    assert f'{f}: precision.weights.storage: "fp8" is not a valid value (allowed: "nvfp4", "bf16")' in lines
+    assert f'{f}: precision.weights.storage: "fp8" is not a valid value (allowed: "nvfp4", "bf16", null)' in lines
     assert any(ln.startswith(f"{f}: precision.kernal: unknown key 'kernal'; did you mean 'kernel'?") for ln in lines)
     assert f"{good}: ok" in r.stdout
 
@@ -104,7 +104,8 @@ def test_deepspeed_own_checks_catch_deepspeed_errors(tmp_path: Path) -> None:
     f = write(tmp_path, "ds.json", json.dumps(d))
     r = cli("validate", f)
     assert r.returncode == 1 and f"{f}: zero_optimization.stage:" in r.stderr and "DeepSpeed's own check" in r.stderr
-    assert cli("validate", "--no-deepspeed", f).returncode == 1  # our cross-check also sees a non-3 stage
+    # without DeepSpeed's models the stage is not ours to check (storage follows whatever stage it is)
+    assert cli("validate", "--no-deepspeed", f).returncode == 0
 
 
 def test_schema_is_json_schema() -> None:

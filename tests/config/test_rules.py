@@ -30,12 +30,13 @@ def errors(d: dict) -> list:
 def test_defaults_are_the_contract() -> None:
     assert PrecisionConfig().model_dump() == {
         "enabled": False, "format": "nvfp4",
-        "weights": {"storage": "nvfp4", "block": "16x16"},
+        "weights": {"storage": None, "block": "16x16"},
         "activations": {"block": "1x16", "hadamard": False},
         "backward": {"gemm": "bf16", "stochastic_rounding": True, "hadamard": True},
         "communication": {"all_gather": "bf16", "reduce_scatter": "bf16"},
         "modules": {"include": ["*"], "exclude": ["lm_head", "*embed*"],
-                    "keep_first_blocks_bf16": 0, "keep_last_blocks_bf16": 0,
+                    "keep_first_blocks_bf16": 0, "keep_last_blocks_bf16": 0, "keep_last_fraction_bf16": 0.0,
+                    "overrides": [],
                     "fuse": [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]]},
         "kernel": None, "monitor": {"enabled": False, "interval": 100},
         "nonfinite": {"action": "raise", "max_consecutive_skips": 8},
@@ -98,7 +99,7 @@ def test_absent_section_means_disabled() -> None:
     "precision, path, needle, allowed",
     [
         ({"format": "mxfp4"}, "precision.format", '"mxfp4"', '"nvfp4"'),
-        ({"weights": {"storage": "fp8"}}, "precision.weights.storage", '"fp8"', '"nvfp4", "bf16"'),
+        ({"weights": {"storage": "fp8"}}, "precision.weights.storage", '"fp8"', '"nvfp4", "bf16", null'),
         ({"weights": {"block": "32"}}, "precision.weights.block", '"32"', '"16x16", "1x16"'),
         ({"activations": {"block": "16x16"}}, "precision.activations.block", '"16x16"', '"1x16"'),
         ({"backward": {"gemm": "fp8"}}, "precision.backward.gemm", '"fp8"', '"bf16", "nvfp4"'),
@@ -168,8 +169,15 @@ def test_disabled_section_skips_cross_checks() -> None:
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_nvfp4_storage_needs_stage_3(stage: int) -> None:
+    """Storage follows the stage by default (packed under ZeRO-3, BF16 below: the README's one-line section works
+    with any stage); an explicit "nvfp4" below stage 3 is an error."""
     d = cfg()
     d["zero_optimization"]["stage"] = stage
+    assert errors(d) == []
+    pc = load_config(d)[1]
+    assert not pc.stored_packed(stage) and pc.stored_packed(3)
+    assert f"ZeRO-{stage}: storage follows the stage" in pc.describe_storage(stage)
+    d["precision"]["weights"] = {"storage": "nvfp4"}
     (p,) = errors(d)
     assert p.path == "precision.weights.storage"
     assert "zero_optimization.stage: 3" in p.message and f"found stage {stage}" in p.message and '"bf16"' in p.message
@@ -246,7 +254,12 @@ def _values_from_schema(schema: dict, defs: dict) -> st.SearchStrategy:
     t = schema.get("type")
     if t == "object":
         props = schema.get("properties", {})
-        return st.fixed_dictionaries({}, optional={k: _values_from_schema(v, defs) for k, v in props.items()})
+        required = set(schema.get("required", ()))
+        return st.fixed_dictionaries({k: _values_from_schema(v, defs) for k, v in props.items() if k in required},
+                                     optional={k: _values_from_schema(v, defs) for k, v in props.items()
+                                               if k not in required})
+    if t == "string":
+        return st.text(alphabet="abc.*_", min_size=1, max_size=6)
     if t == "boolean":
         return st.booleans()
     if t == "integer":
@@ -257,7 +270,8 @@ def _values_from_schema(schema: dict, defs: dict) -> st.SearchStrategy:
                  else st.text(alphabet="abc.*_", min_size=1, max_size=6))
         return st.lists(inner, max_size=3)
     if t == "number":
-        return st.floats(min_value=schema.get("exclusiveMinimum", -1e6), max_value=schema.get("exclusiveMaximum", 1e6),
+        return st.floats(min_value=schema.get("exclusiveMinimum", schema.get("minimum", -1e6)),
+                         max_value=schema.get("exclusiveMaximum", schema.get("maximum", 1e6)),
                          exclude_min="exclusiveMinimum" in schema, exclude_max="exclusiveMaximum" in schema,
                          allow_nan=False)
     if t == "null":

@@ -42,16 +42,22 @@ def launch(cmd: list[str], log: Path) -> str:
     return text
 
 
-def run_hf_trainer(root: Path) -> Path:
-    """Save a tiny Llama, fine-tune it with the unmodified Trainer script under ``deepspeed --num_gpus 2``
-    (from_pretrained builds it under zero.Init); returns the output folder (``checkpoint-6`` inside)."""
+def run_hf_trainer(root: Path, families: list[str] | None = None) -> Path:
+    """Save a tiny Llama (or each of ``families``: tests/integrations/families.py), fine-tune it with the unmodified
+    Trainer script under ``deepspeed --num_gpus 2`` (from_pretrained builds it under zero.Init); returns the output
+    folder (``checkpoint-6`` inside; ``<family>/checkpoint-6`` with families)."""
     import torch
 
+    from tests.integrations.families import build
     from tests.integrations.hf_trainer_script import tiny_llama
 
     model_dir = root / "tiny-llama"
     torch.manual_seed(0)
-    tiny_llama().to(torch.bfloat16).save_pretrained(model_dir)
+    if families:
+        for name in families:
+            build(name).to(torch.bfloat16).save_pretrained(model_dir / name)
+    else:
+        tiny_llama().to(torch.bfloat16).save_pretrained(model_dir)
     # without train_batch_size: on CPU, HF's from_pretrained under zero.Init builds DeepSpeedConfig before the
     # world size is known and fails its batch assertion on the resolved value (plain DeepSpeed does it too)
     (root / "ds.json").write_text(json.dumps({k: v for k, v in HF_DS_CONFIG.items() if k != "train_batch_size"}))
@@ -59,5 +65,5 @@ def run_hf_trainer(root: Path) -> Path:
     out.mkdir()
     launch([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
             str(HERE / "hf_trainer_script.py"), "--deepspeed", str(root / "ds.json"), "--out", str(out),
-            "--model_dir", str(model_dir)], root / "log.txt")
+            "--model_dir", str(model_dir), *(["--families", ",".join(families)] if families else [])], root / "log.txt")
     return out

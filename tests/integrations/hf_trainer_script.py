@@ -1,6 +1,7 @@
 """An unmodified Hugging Face Trainer script (nothing of ds_nvfp4 in it), as a user brings it.
 
-``deepspeed --num_gpus 2 hf_trainer_script.py --deepspeed ds.json --out DIR [--model_dir SAVED]``, or under
+``deepspeed --num_gpus 2 hf_trainer_script.py --deepspeed ds.json --out DIR [--model_dir SAVED] [--families a,b]``,
+or under
 ``accelerate launch`` with a DeepSpeed plugin config (then without ``--deepspeed``). A tiny Llama built from its
 config (or ``from_pretrained`` of a saved one: HF then builds it under ``deepspeed.zero.Init``), byte-level
 Shakespeare. After training, the probe at the end writes what the test checks to ``DIR/rank{R}.json``.
@@ -42,19 +43,30 @@ def main() -> None:
     p.add_argument("--model_dir", default=None)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--local_rank", type=int, default=-1)
+    p.add_argument("--families", default=None, help="saved models DIR/<family> to train one after another "
+                                                      "(tests/integrations/families.py), each into OUT/<family>")
     args = p.parse_args()
+    if args.families:
+        for name in args.families.split(","):
+            train(args, str(Path(args.out) / name), str(Path(args.model_dir) / name))
+        return
+    train(args, args.out, args.model_dir)
 
-    targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=4, max_steps=args.steps,
+
+def train(args, out: str, model_dir: str | None) -> None:
+    from transformers import AutoModelForCausalLM
+
+    targs = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=args.steps,
                               learning_rate=3e-3, warmup_steps=0, lr_scheduler_type="constant", bf16=True,
                               deepspeed=args.deepspeed, use_cpu=True, report_to=[], logging_steps=1,
                               save_strategy="steps", save_steps=args.steps, disable_tqdm=True, seed=0,
                               dataloader_num_workers=0)
     torch.manual_seed(0)
     # created after TrainingArguments: with a ZeRO-3 config, from_pretrained builds the model under zero.Init
-    model = LlamaForCausalLM.from_pretrained(args.model_dir) if args.model_dir else tiny_llama()
+    model = AutoModelForCausalLM.from_pretrained(model_dir) if model_dir else tiny_llama()
     trainer = Trainer(model=model, args=targs, train_dataset=Bytes())
     trainer.train()
-    probe(trainer, model, args.out)
+    probe(trainer, model, out)
 
 
 def probe(trainer, model, out: str) -> None:
@@ -64,16 +76,19 @@ def probe(trainer, model, out: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     fact = {"rank": rank, "has_state": state is not None,
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-            "built_under_zero_init": bool(getattr(model.model.embed_tokens.weight, "ds_id", None) is not None),
+            "built_under_zero_init": bool(getattr(model.get_input_embeddings().weight, "ds_id", None) is not None),
             "report": state.store.report().to_dict() if state is not None and state.store is not None else None,
             "conversion": state.conversion.to_dict() if state is not None else None}
     Path(out, f"rank{rank}.json").write_text(json.dumps(fact))
     if state is not None:  # the BF16 weights the forward multiplies, for the export's bit-for-bit check
         import deepspeed
 
-        fp4 = {n: m for n, m in engine.module.named_modules() if n in state.conversion.converted}
-        with deepspeed.zero.GatheredParameters([m.weight for m in fp4.values()]):
-            seen = {n: m.weight.detach().clone() for n, m in fp4.items()}
+        from ds_nvfp4.nn.module import FP4Module
+
+        fp4 = {(f"{n}.{pname}" if m.kind == "experts" else n): param for n, m in engine.module.named_modules()
+               if isinstance(m, FP4Module) for pname, param, _ in m.fp4_weights()}
+        with deepspeed.zero.GatheredParameters(list(fp4.values())):
+            seen = {n: p.detach().clone() for n, p in fp4.items()}
         if rank == 0:
             torch.save(seen, Path(out, "forward_weights.pt"))
 

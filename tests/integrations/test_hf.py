@@ -32,7 +32,8 @@ def check_nvfp4_run(out: Path, log: str) -> list[dict]:
         losses = r["losses"]
         assert len(losses) == 6 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0] - 0.5, losses
     # the one-line summary, printed once (rank 0), with no logging set up by the script
-    assert log.count("ds_nvfp4: NVFP4 training ON: 28 Linear layers NVFP4, 1 kept BF16 (lm_head)") == 1, log[-4000:]
+    on = "ds_nvfp4: NVFP4 training ON: 28 GEMM weights NVFP4 (28 Linear), 1 kept BF16 (lm_head)"
+    assert log.count(on) == 1, log[-4000:]
     assert "ZeRO-3 weights packed" in log
     return ranks
 

@@ -88,7 +88,7 @@ def test_report_json_and_table() -> None:
     # the backend, why, and the emulation's GEMM operand dtype for this CPU (kernels/operand.py)
     want = f"kernel emulated (no CUDA device: CPU; {operand_choice('cpu').describe()})"
     assert want in table and "blocks.0.fc1" in table
-    assert "8 of 14 Linear layers in NVFP4" in table
+    assert "8 of 14 GEMM weights in NVFP4 (8 Linear)" in table
 
 
 def test_converted_model_runs_and_matches_state_dict() -> None:

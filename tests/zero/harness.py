@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from ds_nvfp4.zero.shm import remove_stale_workspaces
@@ -26,6 +27,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_all(procs: list[subprocess.Popen], timeout: float, grace: float = 30.0) -> bool:
+    """Wait for every process; True when any failed or the wait ran out.
+
+    A rank that raises leaves its peers blocked in a collective until the gloo timeout (30 min): once one process
+    has exited non-zero, the others get ``grace`` seconds to finish (their own error report) before the caller kills
+    them, so a failing scenario costs seconds of CI time, not the whole ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return any(c != 0 for c in codes)
+        if any(c not in (None, 0) for c in codes):
+            deadline = min(deadline, time.monotonic() + grace)
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.2)
+
+
 def spawn_ranks(cmd: list[str], world_size: int, logdir: Path, timeout: int) -> None:
     """Run ``cmd`` once per rank with the launcher's environment; raise with every rank's log on any failure."""
     port = free_port()
@@ -37,12 +57,7 @@ def spawn_ranks(cmd: list[str], world_size: int, logdir: Path, timeout: int) -> 
         log = open(logdir / f"rank{rank}.log", "w")  # noqa: SIM115 (closed after the process ends)
         procs.append((subprocess.Popen([c.replace("{rank}", str(rank)) for c in cmd], env=env, stdout=log,
                                        stderr=subprocess.STDOUT, cwd=ROOT), log))
-    failed = False
-    for p, _ in procs:
-        try:
-            failed |= p.wait(timeout=timeout) != 0
-        except subprocess.TimeoutExpired:
-            failed = True
+    failed = wait_all([p for p, _ in procs], timeout)
     for p, log in procs:
         if p.poll() is None:
             p.kill()

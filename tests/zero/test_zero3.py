@@ -333,3 +333,26 @@ def test_pipeline_engine_gets_fp4_layers_and_every_feature(tmp_path) -> None:
     reasons = {d["name"]: d["reason"] for r in res for d in r["conversion"]["layers"]}
     assert "in block 0 of 4" in reasons["1.fc1"] and "in block 3 of 4" in reasons["4.fc1"]
 
+
+
+@pytest.mark.parametrize("families", [["qwen2_moe", "qwen3_moe", "mixtral"], ["olmoe", "deepseek_v3", "gpt2"]],
+                         ids=["qwen2moe-qwen3moe-mixtral", "olmoe-deepseekv3-gpt2"])
+def test_moe_experts_and_conv1d_train_nvfp4_under_plain_deepspeed(families: list[str]) -> None:
+    """Every expert matrix and every GPT-2 Conv1D in NVFP4 (packed ZeRO-3, exact per expert), routers BF16 with
+    their reason, through an unmodified deepspeed.initialize call."""
+    for r in run_ranks("families", families=families, timeout=900):
+        for name in families:
+            got = r[name]
+            layers = got["conversion"]["layers"]
+            kinds = {d["kind"] for d in layers if d["fp4"]}
+            assert kinds == ({"Conv1D"} if name == "gpt2" else {"Linear", "experts"}), (name, kinds)
+            experts = [d for d in layers if d["kind"] == "experts"]
+            assert (name == "gpt2") == (not experts) and all(d["fp4"] and d["experts"] == 4 for d in experts), experts
+            routers = [d for d in layers if d["kind"] == "router"]
+            assert (name == "gpt2") == (not routers) and all(not d["fp4"] and "router" in d["reason"] for d in routers)
+            packed = [n for n in got["exact"]]
+            assert packed and all(got["exact"].values()), (name, got["exact"])
+            if name != "gpt2":
+                assert any(n.endswith("experts.gate_up_proj") for n in packed), packed
+                assert got["report"]["packed_params"] >= len(packed)
+            assert all(math.isfinite(v) for v in got["losses"]), got["losses"]

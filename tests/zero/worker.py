@@ -55,7 +55,10 @@ class Net(nn.Module):
 
 
 def config(**over) -> dict:
+    """A preset with overrides (``"a.b": value``). The presets' BF16 warm-up (``precision.schedule``) is dropped:
+    these scenarios test FP4 from the first step; those about the schedule set their own."""
     cfg = json.loads((ROOT / "ds_configs" / over.pop("preset", "nvfp4_zero3_all_blocks_ablation.json")).read_text())
+    cfg.get("precision", {}).pop("schedule", None)
     cfg["train_micro_batch_size_per_gpu"] = 2
     cfg["gradient_accumulation_steps"] = over.pop("gas", 1)
     for k, v in over.items():
@@ -211,7 +214,7 @@ def scenario_modify(rank: int, p: dict) -> dict:
     w = engine.module.blocks[0].fc1.weight
     e = store.entries[id(w)]
     def snapshot():
-        return e.q.data.clone(), e.q.scale.view(torch.uint8).clone(), e.q.amax.clone()
+        return e.q.wire().clone(), e.codes.agreed_amax.clone()
 
     def same(a, b) -> bool:
         return all(torch.equal(x, y) for x, y in zip(a, b))
@@ -671,6 +674,58 @@ def scenario_pipeline(rank: int, p: dict) -> dict:
         out["error"] = None
     except ds_nvfp4.NonFiniteError as exc:
         out["error"], out["raised_at"] = str(exc), engine.global_steps
+    return out
+
+
+def scenario_families(rank: int, p: dict) -> dict:
+    """Each transformers family of tests/integrations/families.py under plain ``deepspeed.initialize`` (the start-up
+    hook), ZeRO-3 with packed storage, 3 steps: what was converted, storage, exactness of every packed weight
+    (experts per expert matrix), losses."""
+    import deepspeed
+
+    import ds_nvfp4
+    from ds_nvfp4.nn.module import FP4Module
+    from tests.integrations.families import build
+
+    out = {}
+    for name in p["families"]:
+        # every block FP4 here: the test is about which modules can be, not about the edge-block recipe
+        cfg = config(preset="nvfp4_zero3.json", **{"precision.modules.keep_first_blocks_bf16": 0,
+                                                  "precision.modules.keep_last_fraction_bf16": 0.0})
+        model = build(name)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        losses = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            ids = torch.randint(3, 256, (2, 16), generator=g)
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        block = engine.ds_nvfp4.precision.weights.block
+        group_of = {n: g for g in engine.ds_nvfp4.conversion.fused_groups for n in g}
+        exact = {}
+        for mname, m in engine.module.named_modules():
+            if not isinstance(m, FP4Module):
+                continue
+            for pname, param, _ in m.fp4_weights():
+                if not engine.ds_nvfp4.store.entries[id(param)].packable:
+                    continue
+                master = deepspeed.utils.safe_get_full_fp32_param(param)
+                with deepspeed.zero.GatheredParameters([param]):
+                    seen = param.data.clone()
+                # one amax per expert matrix; a fused group's members (q, k, v) share the group's
+                peers = [deepspeed.utils.safe_get_full_fp32_param(engine.module.get_submodule(n).weight)
+                         for n in group_of.get(mname, [mname])] if master.dim() == 2 else [master]
+                shared = torch.stack([w.abs().max() for w in peers]).max() if master.dim() == 2 else None
+                mats = master if master.dim() == 3 else master[None]
+                want = torch.stack([ds_nvfp4.quantize(w, block=block, amax=w.abs().max() if shared is None
+                                                      else shared).dequantize(torch.bfloat16)
+                                    for w in mats]).reshape(seen.shape)
+                exact[f"{mname}.{pname}"] = bool(torch.equal(seen, want))
+        rep = ds_nvfp4.storage_report(engine)
+        out[name] = {"losses": losses, "exact": exact, "conversion": engine.ds_nvfp4.conversion.to_dict(),
+                     "report": rep.to_dict(), "type": type(engine).__name__}
     return out
 
 

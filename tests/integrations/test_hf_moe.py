@@ -1,0 +1,85 @@
+"""MoE experts and GPT-2 Conv1D under an unmodified HF Trainer (2 ranks, ZeRO-3 packed storage), and the exports of
+an MoE run that transformers reads back with per-expert names."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integrations.hf_run import BIN, ROOT, run_hf_trainer
+
+pytestmark = pytest.mark.slow
+
+# Every family trains under plain DeepSpeed (tests/zero/test_zero3.py); under the Trainer one MoE and GPT-2's Conv1D
+# (each family is a DeepSpeed start and 6 steps: ~2 min of CI on 2 cores).
+FAMILIES = ["qwen3_moe", "gpt2"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    return run_hf_trainer(tmp_path_factory.mktemp("hf_moe"), FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_expert_matrix_and_conv1d_is_nvfp4_under_the_trainer(runs: Path, family: str) -> None:
+    ranks = [json.loads((runs / family / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert r["has_state"] and r["built_under_zero_init"], r
+        layers = r["conversion"]["layers"]
+        experts = [d for d in layers if d["kind"] == "experts"]
+        conv = [d for d in layers if d["kind"] == "Conv1D"]
+        if family == "gpt2":
+            assert conv and all(d["fp4"] for d in conv) and not experts
+        else:  # one row per expert tensor, every one NVFP4; routers BF16 with the reason
+            assert experts and all(d["fp4"] and d["experts"] == 4 for d in experts), experts
+            assert all(not d["fp4"] and "router" in d["reason"] for d in layers if d["kind"] == "router")
+        rep = r["report"]
+        assert rep["packed_params"] > 0 and not [n for n in rep["kept_bf16"] if "experts" in n], rep["kept_bf16"]
+        assert all(math.isfinite(v) for v in r["losses"]) and len(r["losses"]) == 6
+
+
+def _export(ckpt: Path, out: Path, fmt: str, *extra: str) -> str:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "ds_nvfp4", "export", str(ckpt), str(out), "--format", fmt, *extra],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_moe_exports_use_per_expert_names_and_load_in_transformers(runs: Path, tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    ckpt = runs / "qwen3_moe" / "checkpoint-6"
+    _export(ckpt, tmp_path / "bf16", "bf16")
+    said = _export(ckpt, tmp_path / "ct", "nvfp4-compressed-tensors", "--weight-only")
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight_packed" in keys
+    assert "model.layers.0.mlp.experts.3.up_proj.weight_global_scale" in keys
+    assert not any("gate_up_proj" in k for k in keys), "the fused in-memory name must not reach an export"
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
+        for e in range(4):  # gate and up of one expert: one global scale (vLLM's fused w13, TensorRT-LLM's assert)
+            g = f.get_tensor(f"model.layers.1.mlp.experts.{e}.gate_proj.weight_global_scale")
+            u = f.get_tensor(f"model.layers.1.mlp.experts.{e}.up_proj.weight_global_scale")
+            assert torch.equal(g, u)
+    ignore = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.layers.0.mlp.gate" in ignore and "lm_head" in ignore, ignore
+    assert "W4A16" in said
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    ct = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.bfloat16,
+                                              quantization_config=CompressedTensorsConfig(run_compressed=False))
+    seen = torch.load(runs / "qwen3_moe" / "forward_weights.pt")
+    got = bf16.model.layers[1].mlp.experts.gate_up_proj
+    assert torch.equal(got, seen["model.layers.1.mlp.experts.gate_up_proj"])  # what training multiplied
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = bf16(ids).logits, ct(ids).logits
+    assert torch.isfinite(a).all() and torch.equal(a, b), (a - b).abs().max()
+    assert BIN.exists()
