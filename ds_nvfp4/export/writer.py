@@ -115,6 +115,12 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, ta
         notes.append("Conv1D layers are written in the [out, in] layout NVFP4 loaders read (vLLM's GPT-2); "
                      "transformers' compressed-tensors integration quantizes nn.Linear only, so load this model "
                      "in transformers from a --format bf16 export")
+    if fmt != "bf16" and any(".experts." in n for u in units for n, _, _ in u.outputs):
+        # seen with transformers 5.24 (Qwen3-MoE): the fused experts classes are not nn.Linear, so its
+        # compressed-tensors integration leaves their weights undecompressed (garbage) instead of failing
+        notes.append("MoE experts are written under per-expert names (vLLM's and TensorRT-LLM's fused-MoE loaders "
+                     "read them); transformers' from_pretrained does not decompress NVFP4 experts of its fused "
+                     "experts classes, so load this model in transformers from a --format bf16 export")
     files: dict[str, dict | None] = {"model.safetensors": None}
     hf_config = _hf_config(ckpt)
     if fmt == "nvfp4-modelopt":

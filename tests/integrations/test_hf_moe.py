@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.integrations.hf_run import BIN, ROOT, run_hf_trainer
+from tests.integrations.test_export_hf import _unpack
 
 pytestmark = pytest.mark.slow
 
@@ -52,9 +53,9 @@ def _export(ckpt: Path, out: Path, fmt: str, *extra: str) -> str:
     return r.stdout
 
 
-def test_moe_exports_use_per_expert_names_and_load_in_transformers(runs: Path, tmp_path: Path) -> None:
+def test_moe_exports_use_per_expert_names_and_the_bf16_one_loads_in_transformers(runs: Path, tmp_path: Path) -> None:
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers import AutoModelForCausalLM
 
     ckpt = runs / "qwen3_moe" / "checkpoint-6"
     _export(ckpt, tmp_path / "bf16", "bf16")
@@ -71,15 +72,27 @@ def test_moe_exports_use_per_expert_names_and_load_in_transformers(runs: Path, t
             assert torch.equal(g, u)
     ignore = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]["ignore"]
     assert "model.layers.0.mlp.gate" in ignore and "lm_head" in ignore, ignore
-    assert "W4A16" in said
+    assert "W4A16" in said and "per-expert names" in said, said
+    # transformers reads the per-expert names back into its fused experts parameter, equal to what training multiplied
     bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
-    ct = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.bfloat16,
-                                              quantization_config=CompressedTensorsConfig(run_compressed=False))
     seen = torch.load(runs / "qwen3_moe" / "forward_weights.pt")
-    got = bf16.model.layers[1].mlp.experts.gate_up_proj
-    assert torch.equal(got, seen["model.layers.1.mlp.experts.gate_up_proj"])  # what training multiplied
+    for layer in range(3):
+        key = f"model.layers.{layer}.mlp.experts"
+        got = bf16.model.layers[layer].mlp.experts
+        assert torch.equal(got.gate_up_proj, seen[f"{key}.gate_up_proj"]) and torch.equal(got.down_proj,
+                                                                                           seen[f"{key}.down_proj"])
+        # each expert's NVFP4 codes, dequantized the way a fused-MoE loader does, are that expert's training weights
+        with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
+            for e in range(4):
+                parts = []
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    name = f"{key}.{e}.{proj}"
+                    w = _unpack(f.get_tensor(f"{name}.weight_packed"))
+                    w = w * f.get_tensor(f"{name}.weight_scale").float().repeat_interleave(16, 1)
+                    parts.append((w / f.get_tensor(f"{name}.weight_global_scale")).to(torch.bfloat16))
+                assert torch.equal(torch.cat(parts[:2]), got.gate_up_proj[e]), (key, e)
+                assert torch.equal(parts[2], got.down_proj[e]), (key, e)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        a, b = bf16(ids).logits, ct(ids).logits
-    assert torch.isfinite(a).all() and torch.equal(a, b), (a - b).abs().max()
+        assert torch.isfinite(bf16(ids).logits).all()
     assert BIN.exists()

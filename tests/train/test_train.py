@@ -74,7 +74,8 @@ def test_golden_losses(data: Path, tmp_path: Path, preset: str, monkeypatch) -> 
 
 
 def test_run_directory_and_resume(data: Path, tmp_path: Path) -> None:
-    full = train(data, tmp_path / "full", "nvfp4_zero3.json", extra=("--ckpt-interval", "4"))
+    preset = fp4_from_step_one("nvfp4_zero3.json", tmp_path)  # 8 steps: the packed storage must be in use
+    full = train(data, tmp_path / "full", preset, extra=("--ckpt-interval", "4"))
     run = tmp_path / "full"
     for name in ("config.json", "metrics.jsonl", "conversion.json", "storage.json", "summary.json"):
         assert (run / name).exists(), name
@@ -93,7 +94,7 @@ def test_run_directory_and_resume(data: Path, tmp_path: Path) -> None:
     fresh = tmp_path / "resumed"
     shutil.copytree(run / "ckpt", fresh / "ckpt")
     (fresh / "ckpt" / "latest").write_text("step4")
-    resumed = train(data, fresh, "nvfp4_zero3.json", extra=("--resume",))
+    resumed = train(data, fresh, preset, extra=("--resume",))
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:]]
 
