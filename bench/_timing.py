@@ -17,3 +17,20 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> f
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def print_ratios(rows: dict[str, float], baseline: str, header: str, column: str, json_path: str | None,
+                 json_key: str) -> None:
+    """Print ``rows`` (name -> median seconds) with each one's ratio to ``rows[baseline]`` (same run); optionally
+    write them to ``json_path`` as ``{name: {"seconds": s, json_key: ratio}}``."""
+    import json
+
+    base = rows[baseline]
+    width = max(map(len, rows)) + 2
+    print(header)
+    print(f"{'':{width}s} {'s':>8s} {column:>{len(column) + 1}s}")
+    for name, s in rows.items():
+        print(f"{name:{width}s} {s:8.3f} {s / base:{len(column)}.2f}x")
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump({k: {"seconds": v, json_key: v / base} for k, v in rows.items()}, fh, indent=2)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 
 import torch
-from _timing import median_seconds
+from _timing import median_seconds, print_ratios
 from torch import nn
 
 import ds_nvfp4
@@ -64,16 +63,10 @@ def main() -> None:
     w = torch.softmax(torch.randn(args.tokens, args.top_k), -1).to(torch.bfloat16)
     rows = {"experts bf16 (transformers eager)": fwd_bwd_time(bf16, x, idx, w, args.repeats),
             "FP4Experts, mission recipe (bf16 backward)": fwd_bwd_time(fp4, x, idx, w, args.repeats)}
-    base = rows["experts bf16 (transformers eager)"]
-    print(f"{args.experts} experts, H={args.hidden}, I={args.intermediate}, {args.tokens} tokens top-{args.top_k}, "
-          f"kernel {kernel}, {torch.get_num_threads()} threads, median of {args.repeats}")
-    print(f"{'module':46s} {'s':>8s} {'vs bf16 experts':>16s}")
-    for name, s in rows.items():
-        print(f"{name:46s} {s:8.3f} {s / base:15.2f}x")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({k: {"seconds": v, "ratio_to_bf16_experts": v / base} for k, v in rows.items()}, fh, indent=2)
-
+    print_ratios(rows, "experts bf16 (transformers eager)",
+                 f"{args.experts} experts, H={args.hidden}, I={args.intermediate}, {args.tokens} tokens "
+                 f"top-{args.top_k}, kernel {kernel}, {torch.get_num_threads()} threads, median of {args.repeats}",
+                 "vs bf16 experts", args.json, "ratio_to_bf16_experts")
 
 if __name__ == "__main__":
     main()

@@ -7,10 +7,9 @@ Reports median seconds and the ratio to the BF16 nn.Linear (the baseline the mis
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
-from _timing import median_seconds
+from _timing import median_seconds, print_ratios
 from torch import nn
 
 import ds_nvfp4
@@ -48,16 +47,10 @@ def main() -> None:
     for name, recipe in recipes.items():
         rows[name] = fwd_bwd_time(NVFP4Linear(f, f, dtype=torch.bfloat16, recipe=recipe),
                                   torch.randn(t, f, dtype=torch.bfloat16), args.repeats)
-    base = rows["nn.Linear bf16"]
-    print(f"[{t} x {f}] @ [{f} x {f}]^T forward+backward, bf16 activations and weights, kernel {kernel}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}")
-    print(f"{'layer':52s} {'s':>8s} {'vs bf16 nn.Linear':>18s}")
-    for name, s in rows.items():
-        print(f"{name:52s} {s:8.3f} {s / base:17.2f}x")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({k: {"seconds": v, "ratio_to_bf16_linear": v / base} for k, v in rows.items()}, fh, indent=2)
-
+    print_ratios(rows, "nn.Linear bf16",
+                 f"[{t} x {f}] @ [{f} x {f}]^T forward+backward, bf16 activations and weights, kernel {kernel}, "
+                 f"{torch.get_num_threads()} threads, median of {args.repeats}",
+                 "vs bf16 nn.Linear", args.json, "ratio_to_bf16_linear")
 
 if __name__ == "__main__":
     main()
