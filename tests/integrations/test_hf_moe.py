@@ -16,7 +16,7 @@ from tests.integrations.test_export_hf import _unpack
 pytestmark = pytest.mark.slow
 
 # Every family trains under plain DeepSpeed (tests/zero/test_zero3.py); under the Trainer one MoE and GPT-2's Conv1D
-# (each family is a DeepSpeed start and 6 steps: ~2 min of CI on 2 cores).
+# (these two: a 34 s fixture on 2 cores; all six in one launch took over 15 min beside the rest of the suite).
 FAMILIES = ["qwen3_moe", "gpt2"]
 
 
