@@ -34,3 +34,14 @@ def print_ratios(rows: dict[str, float], baseline: str, header: str, column: str
     if json_path:
         with open(json_path, "w") as fh:
             json.dump({k: {"seconds": v, json_key: v / base} for k, v in rows.items()}, fh, indent=2)
+
+
+def fwd_bwd_seconds(module, x, grad, repeats: int, *args) -> float:
+    """Median seconds of ``module(x, *args).backward(grad)`` with fresh input and parameter gradients each call."""
+
+    def once() -> None:
+        xi = x.detach().requires_grad_()
+        module.zero_grad(set_to_none=True)
+        module(xi, *args).backward(grad)
+
+    return median_seconds(once, repeats)

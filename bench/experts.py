@@ -12,7 +12,7 @@ import argparse
 import copy
 
 import torch
-from _timing import median_seconds, print_ratios
+from _timing import fwd_bwd_seconds, print_ratios
 from torch import nn
 
 import ds_nvfp4
@@ -34,14 +34,7 @@ def build(experts: int, hidden: int, intermediate: int) -> nn.Module:
 
 
 def fwd_bwd_time(m: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, repeats: int) -> float:
-    g = torch.randn_like(x)
-
-    def once() -> None:
-        xi = x.detach().requires_grad_()
-        m.zero_grad(set_to_none=True)
-        m(xi, idx, w).backward(g)
-
-    return median_seconds(once, repeats)
+    return fwd_bwd_seconds(m, x, torch.randn_like(x), repeats, idx, w)
 
 
 def main() -> None:

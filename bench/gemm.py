@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _timing import median_seconds, print_ratios
+from _timing import fwd_bwd_seconds, print_ratios
 from torch import nn
 
 import ds_nvfp4
@@ -17,14 +17,7 @@ from ds_nvfp4.nn import NVFP4Linear, Recipe
 
 
 def fwd_bwd_time(layer: nn.Module, x: torch.Tensor, repeats: int) -> float:
-    g = torch.randn(x.shape[0], layer.out_features, dtype=x.dtype)
-
-    def once() -> None:
-        xi = x.detach().requires_grad_()
-        layer.zero_grad(set_to_none=True)
-        layer(xi).backward(g)
-
-    return median_seconds(once, repeats)
+    return fwd_bwd_seconds(layer, x, torch.randn(x.shape[0], layer.out_features, dtype=x.dtype), repeats)
 
 
 def main() -> None:
