@@ -30,14 +30,17 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import ds_nvfp4
 from ds_nvfp4.evaluation.data import prepare
-from ds_nvfp4.evaluation.gpt import GPT, PRESETS, evaluate, get_batch
+from ds_nvfp4.evaluation.gpt import AUX_LOSS_COEF, GPT, MOE_PRESETS, PRESETS, evaluate, get_batch, model_spec
 
 
 # -------------------------------------------------------------------------------------------------- main
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deepspeed_config", required=True, help="ds_config JSON (BF16 or NVFP4 preset)")
-    ap.add_argument("--model", choices=PRESETS, default="1m")
+    ap.add_argument("--model", choices=[*PRESETS, *MOE_PRESETS], default="1m",
+                    help="dense GPT sizes, or moe-*: top-2 of 8 routed experts per block with a load-balancing loss")
+    ap.add_argument("--aux-loss-coef", type=float, default=AUX_LOSS_COEF,
+                    help="MoE models: weight of the load-balancing loss added to the cross-entropy")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the ds_config's)")
@@ -81,9 +84,18 @@ def main() -> None:
     gas = ds_config.get("gradient_accumulation_steps", 1)
 
     torch.manual_seed(args.seed)
-    layers, d, heads = PRESETS[args.model]
-    model = GPT(layers, d, heads, args.seq)
+    spec = model_spec(args.model)
+    model = GPT.from_spec(spec, args.seq)
     n_params = sum(p.numel() for p in model.parameters())
+    if spec.get("experts"):
+        # ZeRO-3 traces the order modules run in; the experts' loop runs a data-dependent set of experts, so the
+        # experts module is a leaf (its parameters gathered on entry, no hooks below it): DeepSpeed's MoE advice.
+        # Both runs (BF16 and NVFP4) get it; ds_nvfp4.initialize would also do it for any experts module it knows.
+        from deepspeed.utils import set_z3_leaf_modules
+
+        from ds_nvfp4.evaluation.gpt import Experts
+
+        set_z3_leaf_modules(model, [Experts])
 
     def lr_lambda(step: int) -> float:  # linear warm-up, cosine decay to 10%
         if step < args.warmup:
@@ -116,7 +128,7 @@ def main() -> None:
     if rank == 0:
         resolved = {"args": {k: v for k, v in vars(args).items() if k != "local_rank"}, "ds_config": ds_config,
                     "script": str(Path(__file__).resolve()),
-                    "world_size": world, "model": {"layers": layers, "d_model": d, "heads": heads, "params": n_params},
+                    "world_size": world, "model": {**spec, "params": n_params},
                     "data": meta, "precision": state.precision.model_dump() if state else None,
                     "kernel": state.selection.describe() if state else None, "torch": torch.__version__,
                     "deepspeed": deepspeed.__version__, "ds_nvfp4": ds_nvfp4.__version__}
@@ -136,15 +148,17 @@ def main() -> None:
     local_losses = []  # this rank's own loss on its own data shard (differs between ranks; the tests check both)
     for step in range(start, args.steps):
         t0 = time.perf_counter()
-        loss_sum = 0.0
+        loss_sum = aux_sum = 0.0
         phase = state.schedule.current.name if state is not None and state.schedule.plan.active else None
         for micro_step in range(gas):
             x, y = get_batch(train_data, args.seed, step * gas + micro_step, rank, micro, args.seq)
             logits = engine(x.to(engine.device))
             loss = F.cross_entropy(logits.view(-1, 256), y.to(engine.device).view(-1))
-            engine.backward(loss)
+            aux = engine.module.aux_loss  # MoE: load balancing (not in the logged loss: that stays comparable)
+            engine.backward(loss if aux is None else loss + args.aux_loss_coef * aux)
             engine.step()
             loss_sum += loss.item() / gas
+            aux_sum += 0.0 if aux is None else aux.item() / gas
         step_time = time.perf_counter() - t0
         local_losses.append(loss_sum)
         mean_loss = torch.tensor(loss_sum)
@@ -152,7 +166,8 @@ def main() -> None:
         my_losses.append(float(mean_loss) / world)
         record = {"step": step + 1, "loss": my_losses[-1], "lr": scheduler.get_last_lr()[0],
                   "grad_norm": float(engine.get_global_grad_norm() or 0.0), "step_time": step_time,
-                  "tokens_per_s": tokens_per_step / step_time, **({"phase": phase} if phase else {})}
+                  "tokens_per_s": tokens_per_step / step_time, **({"phase": phase} if phase else {}),
+                  **({"aux_loss": aux_sum} if spec.get("experts") else {})}
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
             record.update(evaluate(engine, val_data, args.eval_batches, micro, args.seq, rank, world))
         if not storage_packed and store.packed:  # the same step on every rank: the phase depends on the step only

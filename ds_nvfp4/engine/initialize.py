@@ -23,6 +23,7 @@ from ..kernels import select
 from ..nn import ConversionReport, convert_model
 from ..nn.module import FP4Module
 from ..zero import seams
+from ..zero.leaves import mark_experts_leaves
 from ..zero.shm import release_shm_workspace
 from .announce import announce, summary_line
 from .checkpoint import Checkpoints
@@ -78,6 +79,10 @@ def initialize(*args, **kwargs):
     selection = select(precision.kernel)
     conversion = convert_model(model, precision, selection=selection, blocks=pipeline_blocks(model))
     _refuse_nothing_fp4(conversion, model)
+    if stage == 3 and (leaves := mark_experts_leaves(model)):
+        conversion.notes.append(f"ZeRO-3: {len(leaves)} experts modules made leaf modules (their per-expert loop "
+                                "runs submodules a data-dependent number of times, which ZeRO-3's prefetch trace "
+                                "cannot follow; zero/leaves.py)")
     if stage == 3 and not packed:
         _unfuse(model, conversion, conversion.fused_groups, "ZeRO-3 with weights.storage \"bf16\" gathers one "
                                                             "layer at a time, so no forward sees its peers' weights")

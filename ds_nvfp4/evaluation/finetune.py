@@ -117,7 +117,7 @@ def load_pretrained(run_dir: Path) -> tuple[nn.Module, dict]:
         raise FinetuneError(f"{run_dir}: needs config.json and ckpt/latest (a finished launch/train.py run)")
     config = json.loads(cfg_path.read_text())
     m = config["model"]
-    gpt = GPT(m["layers"], m["d_model"], m["heads"], config["args"]["seq"])
+    gpt = GPT.from_spec(m, config["args"]["seq"])
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     sd = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "ckpt"))

@@ -102,6 +102,10 @@ def _status(t: Targets) -> Any:
 _E, _P, _PIPE = "engine", "packed", "pipeline"
 SEAMS: tuple[Seam, ...] = (
     # ---- the engine lifecycle (engine/lifecycle.py and its features), every enabled run
+    Seam("deepspeed.utils.set_z3_leaf_module", _E, "zero/leaves.py: experts modules become ZeRO-3 leaf modules",
+         _import("deepspeed.utils", "set_z3_leaf_module"), ("model", "flag")),
+    Seam("deepspeed.utils.z3_leaf_module", _E, "zero/leaves.py: modules DeepSpeed's leaf_module config flagged already",
+         _import("deepspeed.utils", "z3_leaf_module"), ("model",)),
     Seam("engine.global_steps", _E, "engine/lifecycle.py: an optimizer step happened (applied or skipped) when it "
          "moves", _attr("engine", "global_steps")),
     Seam("engine.skipped_steps", _E, "engine/nonfinite.py: the step was skipped for NaN/Inf gradients",

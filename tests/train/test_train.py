@@ -36,10 +36,10 @@ def data(tmp_path_factory) -> Path:
     return d
 
 
-def train(data: Path, out: Path, preset: str, steps: int = 8, extra: tuple = ()) -> list[dict]:
+def train(data: Path, out: Path, preset: str, steps: int = 8, extra: tuple = (), model: str = "1m") -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--deepspeed_config",
-           str(ROOT / "ds_configs" / preset), "--model", "1m", "--seq", "64", "--steps", str(steps),
+           str(ROOT / "ds_configs" / preset), "--model", model, "--seq", "64", "--steps", str(steps),
            "--eval-interval", "4", "--eval-batches", "4", "--warmup", "4", "--data", str(data), "--out", str(out),
            *extra]
     spawn_ranks(cmd, 2, out, timeout=600)
@@ -114,6 +114,27 @@ def test_storage_is_reported_from_the_fp4_phase_after_a_bf16_warmup(data: Path, 
     assert summary["weight_bytes_per_rank"] == storage[0]["packed_bytes"] + storage[0]["bf16_bytes"]
     line = summary["ranks"][0]["storage"]
     assert "packed NVFP4" in line and " 0 weight partitions" not in line, line
+
+
+def test_reference_moe_model_trains_its_experts_in_nvfp4(data: Path, tmp_path: Path) -> None:
+    """``--model moe-1m``: top-2 routed experts in transformers 5's layout, converted like Qwen3-MoE's (experts FP4,
+    routers BF16), the load-balancing loss logged beside the cross-entropy, and the checkpoint loads back into the
+    same architecture (the fine-tunes and the probe rebuild the model from config.json)."""
+    run = tmp_path / "moe"
+    rows = train(data, run, fp4_from_step_one("nvfp4_zero3.json", tmp_path), steps=6, model="moe-1m")
+    assert all(math.isfinite(r["loss"]) and 1.0 <= r["aux_loss"] <= 4.0 for r in rows), rows  # 1: uniform, E: one
+    layers = json.loads((run / "conversion.json").read_text())["layers"]
+    experts = {d["name"]: d["fp4"] for d in layers if d["kind"] == "experts"}
+    # 4 blocks: the first and the last (ceil(0.15 * 4)) BF16 by the preset, blocks 1 and 2 FP4, both GEMMs each
+    assert experts == {f"blocks.{b}.moe.experts.{w}": b in (1, 2) for b in range(4)
+                       for w in ("gate_up_proj", "down_proj")}, experts
+    assert all(not d["fp4"] and "router" in d["reason"] for d in layers if d["kind"] == "router")
+    assert json.loads((run / "config.json").read_text())["model"]["experts"] == 4
+    from ds_nvfp4.evaluation.finetune import load_pretrained
+    from ds_nvfp4.evaluation.gpt import MoEBlock
+
+    gpt, _ = load_pretrained(run)  # strict load_state_dict: every expert tensor found
+    assert all(isinstance(b, MoEBlock) for b in gpt.blocks)
 
 
 @pytest.fixture(scope="module")

@@ -356,3 +356,16 @@ def test_moe_experts_and_conv1d_train_nvfp4_under_plain_deepspeed(families: list
                 assert any(n.endswith("experts.gate_up_proj") for n in packed), packed
                 assert got["report"]["packed_params"] >= len(packed)
             assert all(math.isfinite(v) for v in got["losses"]), got["losses"]
+
+
+def test_experts_become_zero3_leaf_modules_so_ranks_routing_differently_do_not_hang() -> None:
+    """ds_nvfp4.initialize makes every experts module a ZeRO-3 leaf: ranks that run different experts (few tokens,
+    per-rank data) train and evaluate to the end instead of waiting on each other (zero/leaves.py)."""
+    res = run_ranks("reference_moe", timeout=240)
+    # the case that hangs without leaf modules: some forward where the two ranks ran different sets of experts
+    assert any(a != b for a, b in zip(res[0]["hit"], res[1]["hit"])), [r["hit"] for r in res]
+    for r in res:
+        assert r["finite"] and len(r["losses"]) == 3
+        assert any("4 experts modules made leaf modules" in n for n in r["notes"]), r["notes"]
+        assert r["fp4_experts"] == ["blocks.1.moe.experts.gate_up_proj", "blocks.1.moe.experts.down_proj",
+                                    "blocks.2.moe.experts.gate_up_proj", "blocks.2.moe.experts.down_proj"]

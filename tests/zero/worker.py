@@ -729,6 +729,37 @@ def scenario_families(rank: int, p: dict) -> dict:
     return out
 
 
+def scenario_reference_moe(rank: int, p: dict) -> dict:
+    """The reference MoE GPT through ``ds_nvfp4.initialize`` with no leaf modules set by the caller: each rank routes
+    its own tokens (few, so some experts get none and the ranks run different experts), in training and in eval
+    forwards. Without ZeRO-3 leaf modules the ranks' module traces differ and they wait on each other forever."""
+    import ds_nvfp4
+    from ds_nvfp4.evaluation.gpt import GPT, model_spec
+
+    torch.manual_seed(0)
+    model = GPT.from_spec(model_spec("moe-1m"), 16)
+    cfg = config(preset="nvfp4_zero3.json", **{"precision.schedule.bf16_warmup_steps": 0})
+    engine, *_ = ds_nvfp4.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    hit, losses = [], []
+    engine.module.blocks[1].moe.experts.register_forward_pre_hook(
+        lambda m, args: hit.append(sorted(set(args[1].flatten().tolist()))))
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x = torch.randint(0, 256, (1, 2 + 3 * rank), generator=g)
+        loss = torch.nn.functional.cross_entropy(engine(x).view(-1, 256), x.view(-1)) + 0.01 * engine.module.aux_loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    engine.eval()
+    with torch.no_grad():
+        for i in range(4):
+            g = torch.Generator().manual_seed(1000 + 10 * i + rank)
+            engine(torch.randint(0, 256, (1, 1 + rank), generator=g))
+    return {"losses": losses, "notes": engine.ds_nvfp4.conversion.notes, "hit": hit,
+            "fp4_experts": [d["name"] for d in engine.ds_nvfp4.conversion.to_dict()["layers"]
+                            if d["kind"] == "experts" and d["fp4"]]}
+
+
 def main() -> None:
     name, out, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     import deepspeed
