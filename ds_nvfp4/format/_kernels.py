@@ -121,9 +121,18 @@ def encode_stochastic(x: torch.Tensor, enc: torch.Tensor, block: str, random_byt
     return e2m1.pack(e2m1.encode_stochastic(y, random_bytes))
 
 
-def _decode_factor(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """float32 per-block decode factors ``s_b * amax / 2688`` (scale's shape), in the contract's rounding order."""
-    return (scale.to(_F32) * amax) * _c(1.0 / GLOBAL_SCALE_NUMERATOR, scale)
+def _decode_factor(scale: torch.Tensor, amax: torch.Tensor,
+                   numerator: float = GLOBAL_SCALE_NUMERATOR) -> torch.Tensor:
+    """float32 per-block decode factors ``s_b * amax / 2688`` (scale's shape), in the contract's rounding order;
+    ``numerator`` is ``6 * bound`` for a tensor quantized with another global E4M3 bound (4/6: 1536)."""
+    return (scale.to(_F32) * amax) * _c(1.0 / numerator, scale)
+
+
+def decode_bounded(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block: str, dtype: torch.dtype,
+                   bound: float) -> torch.Tensor:
+    """:func:`decode` of a tensor whose global scale used the E4M3 bound ``bound`` instead of 448 (4/6): the same
+    products, ``e2m1(q) * (s_b * amax * (1 / (6 bound)))``, rounded once to ``dtype``."""
+    return block_values(data, _decode_factor(scale, amax, 6.0 * bound), block, dtype)
 
 
 def _decode_cpp(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, block: str,

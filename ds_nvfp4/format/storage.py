@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import _kernels, e2m1
-from .constants import BLOCK_SIZE
+from .constants import BLOCK_SIZE, E4M3_MAX
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,9 @@ class NVFP4Storage:
         amax: float32 0-dim per-tensor amax (NaN when the source held NaN/Inf: see :attr:`nonfinite`).
         shape: the logical (unpacked) shape ``[..., K]``.
         block: ``"1x16"`` or ``"16x16"``.
+        e4m3_bound: the global E4M3 bound of the per-tensor scale (``S_enc = 6 * bound / amax``): 448 for
+            standard NVFP4, 256 by default for 4/6 block scaling (format/four_over_six.py). Decoders that read an
+            explicit global scale (compressed-tensors, ModelOpt) need nothing else.
     """
 
     data: torch.Tensor
@@ -32,6 +35,12 @@ class NVFP4Storage:
     amax: torch.Tensor
     shape: torch.Size
     block: str
+    e4m3_bound: float = E4M3_MAX
+
+    @property
+    def global_decode_scale(self) -> torch.Tensor:
+        """float32 0-dim ``amax / (6 * e4m3_bound)`` (``amax / 2688`` for standard NVFP4)."""
+        return self.amax * torch.tensor(1.0 / (6.0 * self.e4m3_bound), dtype=torch.float32, device=self.amax.device)
 
     @property
     def device(self) -> torch.device:
@@ -59,7 +68,10 @@ class NVFP4Storage:
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The represented values as ``dtype`` in :attr:`shape` (computed in float32, rounded once)."""
         data, scale = self._as_2d()
-        out = _kernels.decode(data, scale, self.amax, self.block, dtype)
+        if self.e4m3_bound == E4M3_MAX:
+            out = _kernels.decode(data, scale, self.amax, self.block, dtype)
+        else:
+            out = _kernels.decode_bounded(data, scale, self.amax, self.block, dtype, self.e4m3_bound)
         return out.reshape(self.shape)
 
     def block_values(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -99,5 +111,6 @@ class NVFP4Storage:
         return replace(self, data=self.data.to(device), scale=self.scale.to(device), amax=self.amax.to(device))
 
     def __repr__(self) -> str:
-        return (f"NVFP4Storage(shape={tuple(self.shape)}, block={self.block!r}, device={self.device}, "
+        bound = "" if self.e4m3_bound == E4M3_MAX else f", e4m3_bound={self.e4m3_bound:g}"
+        return (f"NVFP4Storage(shape={tuple(self.shape)}, block={self.block!r}{bound}, device={self.device}, "
                 f"nbytes={self.nbytes})")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..format import NVFP4Storage, quantize
-from ..format.constants import GLOBAL_SCALE_NUMERATOR
+from ..format.constants import E4M3_MAX
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,15 @@ def global_alpha(a: NVFP4Storage | Operand, b: NVFP4Storage | Operand) -> torch.
     cuBLASLt receives exactly this as ``alpha`` (the note: ``amax_A * amax_B / (36 * 448^2)``); every backend
     applies it to the FP32 accumulator in the same order so their outputs agree.
     """
-    inv = torch.tensor(1.0 / (GLOBAL_SCALE_NUMERATOR * GLOBAL_SCALE_NUMERATOR), dtype=torch.float32,
-                       device=a.amax.device)
+    # an operand quantized with another global E4M3 bound (4/6: 256) decodes with 6 * bound instead of 2688
+    na, nb = (6.0 * getattr(storage_of_or_none(t), "e4m3_bound", E4M3_MAX) for t in (a, b))
+    inv = torch.tensor(1.0 / (na * nb), dtype=torch.float32, device=a.amax.device)
     return (a.amax * b.amax) * inv
+
+
+def storage_of_or_none(t: NVFP4Storage | Operand) -> NVFP4Storage | None:
+    """The operand's :class:`NVFP4Storage` when it keeps one, else None (emulated values only: standard scaling)."""
+    return t if isinstance(t, NVFP4Storage) else getattr(t, "tensor", None)
 
 
 def check_operands(a: NVFP4Storage | Operand, b: NVFP4Storage | Operand) -> None:
