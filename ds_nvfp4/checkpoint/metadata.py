@@ -75,6 +75,9 @@ class CheckpointMetadata(_Record):
     stored_bf16: list[str] = Field(default_factory=list)
     #: ranks that saved the checkpoint (each wrote its RNG state); None before schema 2
     world_size: int | None = None
+    #: precision.schedule as it ran (engine/schedule.py ``ScheduleState.to_dict``: phases, transitions, what
+    #: ``bf16_from: "lr_decay"`` found); None in files written before it was recorded
+    schedule: dict[str, Any] | None = None
 
     @property
     def stored_packed(self) -> bool:

@@ -247,10 +247,10 @@ def _schedule_problems(ds: dict, pc: PrecisionConfig) -> list[Problem]:
         out.append(Problem("precision.schedule.bf16_from", f"{at!r} is a fraction of total_steps, so it must lie "
                                                             "strictly between 0 and 1 (or give a step number, an "
                                                             "integer >= 1)", ("an integer >= 1", "a number in (0, 1)",
-                                                                              "null")))
+                                                                              '"lr_decay"', "null")))
     elif isinstance(at, int) and at < 1:
         out.append(Problem("precision.schedule.bf16_from", f"{at!r}: optimizer steps are counted from 1",
-                           ("an integer >= 1", "a number in (0, 1)", "null")))
+                           ("an integer >= 1", "a number in (0, 1)", '"lr_decay"', "null")))
     elif isinstance(at, float) and schedule_total_steps(ds, pc) is None:
         out.append(Problem("precision.schedule.total_steps", f"bf16_from {at!r} is a fraction of the run, but the "
                                                              "run's length is unknown: set precision.schedule."

@@ -8,7 +8,10 @@ Three phases (steps counted from 1, like DeepSpeed's ``global_steps`` after a st
 * ``warmup`` (steps 1 .. ``bf16_warmup_steps``): every converted layer runs ``nn.Linear``'s BF16 forward and
   backward; with packed ZeRO-3 storage the partitions are DeepSpeed's BF16 ones (copied from the FP32 masters).
 * ``fp4``: the recipe as configured; packed partitions re-derived from the FP32 masters at the transition.
-* ``late`` (from ``bf16_from`` on, to the end): the GEMMs named by ``bf16_gemms`` in BF16. When the forward turns
+* ``late`` (from ``bf16_from`` on, to the end): the GEMMs named by ``bf16_gemms`` in BF16. ``bf16_from:
+  "lr_decay"`` leaves the step open until the run's learning rate starts to fall after a constant stretch (the
+  decay of a warmup-stable-decay schedule, where NVIDIA's 12B run switched): engine/schedule.py finds it at run time
+  and saves it with each checkpoint. When the forward turns
   BF16 the weights do too (the paper's switch: BF16 GEMMs on BF16 weights, not on dequantized FP4 ones), so packed
   storage goes back to DeepSpeed's BF16 partitions.
 
@@ -46,26 +49,30 @@ class SchedulePlan:
     first_late_step: int | None
     late_gemms: str            # "forward", "backward" or "all"
     recipe_backward_fp4: bool  # backward.gemm == "nvfp4"
+    at_lr_decay: bool = False  # bf16_from "lr_decay": first_late_step is found at run time
 
     @classmethod
     def from_config(cls, precision: PrecisionConfig, ds_config: dict) -> SchedulePlan:
         sc = precision.schedule
         return cls(sc.bf16_warmup_steps, first_late_bf16_step(ds_config, precision), sc.bf16_gemms,
-                   precision.backward.gemm == "nvfp4")
+                   precision.backward.gemm == "nvfp4", at_lr_decay=sc.bf16_from == "lr_decay")
 
     @property
     def active(self) -> bool:
-        return self.warmup_steps > 0 or self.first_late_step is not None
+        return self.warmup_steps > 0 or self.first_late_step is not None or self.at_lr_decay
 
     def phase(self, step: int) -> Phase:
         """The phase of optimizer step ``step`` (from 1)."""
         if step <= self.warmup_steps:
             return Phase("warmup", False, False, False)
         if self.first_late_step is not None and step >= self.first_late_step:
-            fwd = self.late_gemms == "backward"
-            bwd = self.recipe_backward_fp4 and self.late_gemms == "forward"
-            return Phase("late", fwd, bwd, fwd)
+            return self._late()
         return Phase("fp4", True, self.recipe_backward_fp4, True)
+
+    def _late(self) -> Phase:
+        fwd = self.late_gemms == "backward"
+        bwd = self.recipe_backward_fp4 and self.late_gemms == "forward"
+        return Phase("late", fwd, bwd, fwd)
 
     def fp4_share(self, steps: int, fp4_weight_params: int, linear_weight_params: int) -> float:
         """The fraction of all Linear GEMM FLOPs of ``steps`` optimizer steps that ran in FP4. A layer's three GEMMs
@@ -84,7 +91,9 @@ class SchedulePlan:
         start = self.warmup_steps + 1
         end = f"-{self.first_late_step - 1}" if self.first_late_step is not None else " on"
         out.append(f"steps {start}{end}: {self.phase(start).describe()}")
-        if self.first_late_step is not None:
+        if self.at_lr_decay and self.first_late_step is None:
+            out.append(f"from the first step of learning-rate decay (found at run time): {self._late().describe()}")
+        elif self.first_late_step is not None:
             late = self.phase(self.first_late_step)
             out.append(f"steps {self.first_late_step} on: {late.describe()}"
                        + ("" if late.packed else " (BF16 weights)"))
@@ -114,7 +123,7 @@ def first_late_bf16_step(ds: dict, pc: PrecisionConfig) -> int | None:
     """The first optimizer step (from 1) of the late BF16 switch, or None. A fraction ``f`` of ``T`` steps runs
     steps ``floor(f T) + 1 .. T`` in BF16 (0.85 of 2,100: steps 1,786-2,100, the last 15%)."""
     at = pc.schedule.bf16_from
-    if at is None or isinstance(at, bool):
+    if at is None or isinstance(at, (bool, str)):  # "lr_decay": found at run time (engine/schedule.py)
         return None
     if isinstance(at, int):
         return at if at >= 1 else None

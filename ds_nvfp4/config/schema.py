@@ -91,14 +91,16 @@ class ScheduleConfig(StrictModel):
     bf16_warmup_steps: int = Field(
         0, ge=0, description="the first N optimizer steps run every converted layer in BF16 (BF16 GEMMs and, with "
                              "packed storage, BF16 weight partitions); FP4 from step N+1 on")
-    bf16_from: int | float | None = Field(
+    bf16_from: int | float | Literal["lr_decay"] | None = Field(
         None, description="the late switch: the first optimizer step (an integer >= 1) from which the GEMMs named "
-                          "in bf16_gemms run in BF16, or a fraction of total_steps (a number in (0, 1): 0.85 runs "
-                          "the last 15% in BF16); null: no switch",
+                          "in bf16_gemms run in BF16, a fraction of total_steps (a number in (0, 1): 0.85 runs "
+                          "the last 15% in BF16), or \"lr_decay\": the first step of the learning-rate decay of a "
+                          "warmup-stable-decay schedule, read from the run's own learning rate (any scheduler); "
+                          "null: no switch",
         # the ranges, for editors and `ds-nvfp4 schema` (config/checks.py enforces them with a message that says why)
         json_schema_extra={"anyOf": [{"type": "integer", "minimum": 1},
                                      {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
-                                     {"type": "null"}]})
+                                     {"const": "lr_decay"}, {"type": "null"}]})
     bf16_gemms: Literal["forward", "backward", "all"] = Field(
         "forward", description="which FP4 GEMMs the late switch turns to BF16: forward (Fprop, the paper's switch; "
                                "with BF16 weights), backward (Dgrad and Wgrad; backward.gemm nvfp4 only) or all")

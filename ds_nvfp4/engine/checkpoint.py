@@ -71,7 +71,7 @@ class Checkpoints(Feature):
             schema_version=SCHEMA_VERSION, ds_nvfp4_version=__version__, precision=state.precision.model_dump(),
             conversion=state.conversion.to_dict(), input_amax=self._input_amax, packed=store is not None,
             stored_bf16=sorted(n.removesuffix(".weight") for n in store.kept_bf16) if store is not None else [],
-            world_size=state.world_size)
+            world_size=state.world_size, schedule=state.schedule.to_dict())
         write_metadata(os.path.join(save.save_dir, save.tag, FILE), meta)
         if save.save_latest and not save.decoupled:
             write_atomically(os.path.join(save.save_dir, "latest"), save.tag)

@@ -3,16 +3,70 @@
 Applied at ``initialize``, after every optimizer step and after a checkpoint load (the phase is a function of the
 step number: config/schedule.py), so a resumed run takes the same phase at the same step. With a DeepSpeed monitor,
 ``Train/Precision/fp4_forward`` and ``fp4_backward`` (1/0, at the step number) record what each step ran.
+
+``bf16_from: "lr_decay"``: :class:`LrDecay` watches the learning rate the scheduler sets for the next step (the
+same on every rank, so the ranks agree without a collective) and fixes the late switch at the first step whose
+learning rate is below the one before, after at least :data:`MIN_STABLE_STEPS` steps at a constant peak: the decay
+phase of a warmup-stable-decay schedule (HF ``get_wsd_schedule``, a LambdaLR, ...). A schedule that falls straight
+after its warm-up (cosine, linear) has no such step: the run says so once and makes no switch. What was found is
+saved in each checkpoint's ds_nvfp4.json, so a resumed run switches at the same step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+import os
+from dataclasses import dataclass, field, replace
 
+from ..checkpoint.metadata import FILE, CheckpointError, read_metadata
 from ..config.schedule import Phase, SchedulePlan
 from .announce import announce
 from .lifecycle import Feature, LoadContext, StepOutcome
 from .state import NVFP4State
+
+log = logging.getLogger("ds_nvfp4")
+
+#: steps at a constant learning rate that make what follows a decay phase (not the fall right after a warm-up)
+MIN_STABLE_STEPS = 2
+#: relative change below which two learning rates count as equal (schedulers compute them in float64)
+_RTOL = 1e-9
+
+
+@dataclass
+class LrDecay:
+    """Finding the first step of learning-rate decay (``bf16_from: "lr_decay"``): a pure function of the sequence of
+    learning rates, saved and restored as :meth:`to_dict`."""
+
+    last_lr: float | None = None
+    last_step: int = 0       # the step whose learning rate last_lr is (a resumed run sees it again: not counted)
+    stable_steps: int = 0    # consecutive steps at the same learning rate, so far
+    found: int | None = None  # the first step of decay
+    no_plateau_at: int | None = None  # the learning rate fell at this step without a constant stretch before
+
+    @property
+    def done(self) -> bool:
+        return self.found is not None or self.no_plateau_at is not None
+
+    def observe(self, step: int, lr: float) -> None:
+        """``lr``: the learning rate optimizer step ``step`` runs with (known once step ``step - 1`` is done)."""
+        if step <= self.last_step:
+            return
+        last, self.last_lr, self.last_step = self.last_lr, lr, step
+        if last is None or self.done:
+            return
+        if abs(lr - last) <= _RTOL * max(abs(last), 1e-30):
+            self.stable_steps += 1
+        elif lr < last:
+            if self.stable_steps >= MIN_STABLE_STEPS:
+                self.found = step
+            else:
+                self.no_plateau_at = step
+        else:
+            self.stable_steps = 0  # still rising (warm-up)
+
+    def to_dict(self) -> dict:
+        return {"last_lr": self.last_lr, "last_step": self.last_step, "stable_steps": self.stable_steps,
+                "found": self.found, "no_plateau_at": self.no_plateau_at}
 
 
 @dataclass
@@ -22,11 +76,13 @@ class ScheduleState:
     plan: SchedulePlan
     current: Phase | None = None
     transitions: list[tuple[int, str]] = field(default_factory=list)
+    lr_decay: LrDecay | None = None  # bf16_from "lr_decay" only
 
     def to_dict(self) -> dict:
         return {"warmup_steps": self.plan.warmup_steps, "first_late_step": self.plan.first_late_step,
                 "late_gemms": self.plan.late_gemms, "phase": self.current.name if self.current else None,
-                "transitions": [{"step": s, "phase": p} for s, p in self.transitions]}
+                "transitions": [{"step": s, "phase": p} for s, p in self.transitions],
+                **({"lr_decay": self.lr_decay.to_dict()} if self.lr_decay is not None else {})}
 
 
 class Schedule(Feature):
@@ -35,7 +91,7 @@ class Schedule(Feature):
     def __init__(self, engine, state: NVFP4State, plan: SchedulePlan, layers: list) -> None:
         self.engine = engine
         self.layers = layers
-        self.state = ScheduleState(plan)
+        self.state = ScheduleState(plan, lr_decay=LrDecay() if plan.at_lr_decay else None)
         if plan.active:
             state.conversion.notes.append("precision.schedule: " + "; ".join(plan.describe()))
 
@@ -45,6 +101,7 @@ class Schedule(Feature):
 
     def _to_next_step(self, state: NVFP4State) -> None:
         step = self.engine.global_steps + 1
+        self._watch_lr(state, step)
         if self.apply(state, step) and self.state.plan.active and state.rank == 0:
             current = self.state.current
             announce(f"ds_nvfp4: precision.schedule: from step {step}, {current.describe()}"
@@ -78,4 +135,38 @@ class Schedule(Feature):
         self._to_next_step(state)
 
     def after_load(self, state: NVFP4State, load: LoadContext) -> None:
+        if self.state.lr_decay is not None:
+            self._restore_lr_decay(os.path.join(load.load_dir, load.tag, FILE))
         self._to_next_step(state)
+
+    def _watch_lr(self, state: NVFP4State, step: int) -> None:
+        """``bf16_from: "lr_decay"``: feed the learning rate of step ``step``; fix the switch when decay starts."""
+        found = self.state.lr_decay
+        if found is None or found.done:
+            return
+        found.observe(step, float(self.engine.get_lr()[0]))
+        if found.found is not None:
+            self.state.plan = replace(self.state.plan, first_late_step=found.found)
+            if state.rank == 0:
+                announce(f"ds_nvfp4: precision.schedule.bf16_from \"lr_decay\": the learning rate falls from step "
+                         f"{found.found} after {found.stable_steps} constant steps: the late switch starts there")
+        elif found.no_plateau_at is not None and state.rank == 0:
+            log.warning("ds_nvfp4: precision.schedule.bf16_from \"lr_decay\": the learning rate falls from step %d "
+                        "without a constant stretch before it (a schedule that decays from its warm-up on, not a "
+                        "warmup-stable-decay one): this run makes NO late BF16 switch; give bf16_from as a step "
+                        "number or a fraction of precision.schedule.total_steps instead", found.no_plateau_at)
+
+    def _restore_lr_decay(self, path: str) -> None:
+        """What an earlier run found about its decay (in the checkpoint's ds_nvfp4.json), else keep watching."""
+        try:
+            meta = read_metadata(path)
+        except CheckpointError:
+            meta = None
+        saved = (meta.schedule or {}).get("lr_decay") if meta is not None else None
+        if saved is None:
+            log.warning("ds_nvfp4: %s holds no learning-rate history for bf16_from \"lr_decay\": the decay is "
+                        "looked for again from this step on", path)
+            self.state.lr_decay = LrDecay()
+            return
+        self.state.lr_decay = LrDecay(**saved)
+        self.state.plan = replace(self.state.plan, first_late_step=self.state.lr_decay.found)

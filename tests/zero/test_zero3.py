@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -369,3 +370,32 @@ def test_experts_become_zero3_leaf_modules_so_ranks_routing_differently_do_not_h
         assert any("4 experts modules made leaf modules" in n for n in r["notes"]), r["notes"]
         assert r["fp4_experts"] == ["blocks.1.moe.experts.gate_up_proj", "blocks.1.moe.experts.down_proj",
                                     "blocks.2.moe.experts.gate_up_proj", "blocks.2.moe.experts.down_proj"]
+
+
+#: learning-rate factors per step: warm-up (steps 1-2), constant (3-5), decay from step 6
+WSD = [0.5, 1.0, 1.0, 1.0, 1.0, 0.5, 0.25]
+
+
+def test_late_switch_at_the_start_of_learning_rate_decay_found_from_the_run_and_resumed(tmp_path) -> None:
+    """``bf16_from: "lr_decay"`` under a warmup-stable-decay LambdaLR: FP4 until step 5, the late phase from step 6
+    (where the learning rate first falls after its constant stretch); checkpoints before and after the switch
+    resume to the same phases and losses (what was found is saved in ds_nvfp4.json)."""
+    res = run_ranks("lr_decay", factors=WSD, resume=True, dir=str(tmp_path / "ckpt"))
+    for r in res:
+        assert r["phases"] == ["fp4"] * 5 + ["late"] * 2, r["phases"]
+        assert r["schedule"]["first_late_step"] == 6 and r["schedule"]["lr_decay"]["found"] == 6
+        assert r["warnings"] == []
+        for tag, got in r["resumed"].items():
+            assert got["phases"] == r["phases"][int(tag):], (tag, got)
+            assert got["losses"] == r["losses"][int(tag):], (tag, got)
+    meta = json.loads((tmp_path / "ckpt" / "step4" / "ds_nvfp4.json").read_text())
+    assert meta["schedule"]["lr_decay"]["found"] is None and meta["schedule"]["lr_decay"]["stable_steps"] == 3
+
+
+def test_lr_decay_switch_with_a_schedule_that_has_no_constant_stretch_says_there_is_no_switch() -> None:
+    res = run_ranks("lr_decay", factors=[0.5, 1.0, 0.9, 0.7, 0.5, 0.3, 0.1])
+    by_rank = {r["rank"]: r for r in res}
+    for r in res:
+        assert r["phases"] == ["fp4"] * 7 and r["schedule"]["first_late_step"] is None
+        assert r["schedule"]["lr_decay"]["no_plateau_at"] == 3
+    assert any("NO late BF16 switch" in w and "from step 3" in w for w in by_rank[0]["warnings"]), by_rank[0]

@@ -525,6 +525,54 @@ def scenario_schedule(rank: int, p: dict) -> dict:
             "share": e1.ds_nvfp4.fp4_gemm_share(7), "notes": e1.ds_nvfp4.conversion.notes}
 
 
+def scenario_lr_decay(rank: int, p: dict) -> dict:
+    """``bf16_from: "lr_decay"`` with a client LambdaLR (``p["factors"]``: the learning-rate factor of each step):
+    the phase of each of 7 steps, what was found, the warnings; with ``p["resume"]``, fresh engines resumed from
+    checkpoints at steps 4 and 6 train to step 7 (phases and losses)."""
+    import logging
+
+    import ds_nvfp4
+
+    factors = p["factors"]
+    cfg = config(**{"precision.schedule": {"bf16_from": "lr_decay"}})
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("ds_nvfp4").addHandler(Keep(level=logging.WARNING))
+
+    def engine(seed: int = 0):
+        torch.manual_seed(seed)
+        model = Net()
+        e, *_ = ds_nvfp4.initialize(
+            model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg),
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda i: factors[min(i, 6)]))
+        return e
+
+    e1 = engine()
+    phases, losses = [], []
+    for step in range(7):
+        phases.append(e1.ds_nvfp4.schedule.current.name)
+        losses += train(e1, range(step, step + 1), rank)
+        if p.get("resume") and step + 1 in (4, 6):
+            e1.save_checkpoint(p["dir"], tag=f"step{step + 1}")
+    out = {"phases": phases, "losses": losses, "schedule": e1.ds_nvfp4.schedule.to_dict(), "warnings": warnings,
+           "notes": e1.ds_nvfp4.conversion.notes}
+    if p.get("resume"):
+        out["resumed"] = {}
+        for tag in (4, 6):
+            e = engine(seed=123)
+            e.load_checkpoint(p["dir"], tag=f"step{tag}")
+            got_phases, got_losses = [], []
+            for step in range(tag, 7):
+                got_phases.append(e.ds_nvfp4.schedule.current.name)
+                got_losses += train(e, range(step, step + 1), rank)
+            out["resumed"][tag] = {"phases": got_phases, "losses": got_losses}
+    return out
+
+
 def _unmanaged_engine(p: dict, cache: str, **over):
     os.environ["DS_NVFP4_WEIGHT_CACHE"] = cache
     cfg = config(preset=p["preset"], gas=2, managed_gradient_accumulation=False, **over)
