@@ -103,7 +103,7 @@ def _pydantic_problem(err: dict) -> Problem:
     if field is not None:  # one problem for the field, not one per member of its type
         kinds = {"int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean"}
         members = typing.get_args(_model_at(field).model_fields[str(field[-1])].annotation)
-        want = " or ".join(kinds.get(getattr(m, "__name__", ""), "null") for m in members)
+        want = " or ".join(_member_name(m, kinds) for m in members)
         return Problem(_json_path(field), f"expected {want}, got {_show(err.get('input'))}")
     path = _json_path(loc)
     kind = err["type"]
@@ -129,6 +129,13 @@ def _pydantic_problem(err: dict) -> Problem:
     if kind == "string_type":
         return Problem(path, f"expected a JSON string, got {_show(got)}", _allowed_values(loc))
     return Problem(path, err["msg"], _allowed_values(loc))
+
+
+def _member_name(member: Any, kinds: dict[str, str]) -> str:
+    """How one member of a union field reads in an error: "an integer", '"lr_decay"', "null"."""
+    if typing.get_origin(member) is typing.Literal:
+        return " or ".join(json.dumps(v) for v in typing.get_args(member))
+    return kinds.get(getattr(member, "__name__", ""), "null")
 
 
 def _show(value: Any) -> str:

@@ -53,7 +53,10 @@ def test_defaults_are_the_contract() -> None:
         ({"bf16_from": 5, "bf16_warmup_steps": 4}, {}, "precision.schedule.bf16_from", "no step would run in FP4"),
         ({"bf16_from": 0.9, "bf16_gemms": "backward", "total_steps": 100}, {}, "precision.schedule.bf16_gemms",
          "switches nothing"),
-        ({"bf16_from": True}, {}, "precision.schedule.bf16_from", "expected an integer or a number or null, got true"),
+        ({"bf16_from": True}, {}, "precision.schedule.bf16_from",
+         'expected an integer or a number or "lr_decay" or null, got true'),
+        ({"bf16_from": "decay"}, {}, "precision.schedule.bf16_from",
+         'expected an integer or a number or "lr_decay" or null, got "decay"'),
         ({"bf16_gemms": "wgrad"}, {}, "precision.schedule.bf16_gemms", '"wgrad"'),
     ],
 )
@@ -72,6 +75,30 @@ def test_schedule_fraction_resolves_against_total_steps_or_deepspeeds_scheduler(
     assert errors(d) == [] and first_late_bf16_step(d, load_config(d)[1]) == 30  # 0.29 * 100 is 28.999...: 29 steps
     d = cfg(schedule={"bf16_from": 7, "bf16_warmup_steps": 3, "bf16_gemms": "backward"}, backward={"gemm": "nvfp4"})
     assert errors(d) == [] and first_late_bf16_step(d, load_config(d)[1]) == 7
+
+
+def test_lr_decay_is_found_after_a_constant_stretch_only() -> None:
+    """``bf16_from: "lr_decay"`` (engine/schedule.py ``LrDecay``): the first falling step after >= 2 constant ones;
+    a fall straight after the warm-up is reported, not taken; a step seen again (a resumed run) is not counted."""
+    from ds_nvfp4.engine.schedule import LrDecay
+
+    def run(lrs, start=1):
+        d = LrDecay()
+        for i, lr in enumerate(lrs, start):
+            d.observe(i, lr)
+        return d
+
+    wsd = run([1e-4, 2e-4, 2e-4, 2e-4, 1e-4, 5e-5])
+    assert (wsd.found, wsd.no_plateau_at) == (5, None)
+    assert run([1e-4, 2e-4, 2e-4, 1e-4]).to_dict()["no_plateau_at"] == 4  # one constant step is not a stretch
+    cosine = run([1e-4, 2e-4, 1.9e-4, 1e-4])
+    assert (cosine.found, cosine.no_plateau_at) == (None, 3)
+    assert run([3e-4] * 6).done is False  # constant: still watching
+    resumed = LrDecay(**run([1e-4, 2e-4, 2e-4]).to_dict())
+    resumed.observe(3, 2e-4)  # the step the checkpoint had seen already
+    resumed.observe(4, 2e-4)
+    resumed.observe(5, 1e-4)
+    assert resumed.found == 5 and resumed.stable_steps == 2
 
 
 def test_schedule_phases_and_fp4_share() -> None:
