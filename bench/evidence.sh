@@ -21,7 +21,7 @@ OUT=${OUT:-runs/evidence_$MODEL}
 EVAL=${EVAL:-100}
 RUNS=${RUNS:-bf16 nvfp4_zero3 nvfp4_zero2 nvfp4_zero3_offload nvfp4_full_zero3 all_blocks all_blocks_late15 paper_late15
            paper_no_warmup warmup50 bf16_seed1}
-PROBE_RUNS=${PROBE_RUNS:-bf16 nvfp4_zero3 bf16_seed1}
+PROBE_RUNS=${PROBE_RUNS-bf16 nvfp4_zero3 bf16_seed1}  # PROBE_RUNS= (empty): no probe
 FINETUNE_STEPS=${FINETUNE_STEPS:-0}   # 400 with SEEDS="0 1 2 3": ~4.5 min per seed and run
 SEEDS=${SEEDS:-0 1 2 3}
 # a checkpoint every CKPT steps (the newest 2 kept): an interrupted run resumes from it (--resume) instead of
@@ -41,6 +41,8 @@ config_of() {
     # the paper preset with the late switch (written for 2,100 steps), and as it was before its BF16 warm-up
     paper_late15) echo bench/configs/nvfp4_full_zero3_warmup50_late15_2100.json ;;
     paper_no_warmup) echo bench/configs/nvfp4_full_zero3_no_warmup.json ;;
+    # the default preset with the late switch: forward GEMMs BF16 for the last 15% (written for 2,100 steps)
+    late15) echo bench/configs/nvfp4_zero3_late15_2100.json ;;
     # the default preset with FP4 off for the first 50 steps (the 10M fix)
     warmup50) echo bench/configs/nvfp4_zero3_bf16_warmup50.json ;;
     *) echo "ds_configs/${1%_seed*}.json" ;;
