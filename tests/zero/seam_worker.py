@@ -77,6 +77,7 @@ def main() -> None:
         out["intact"] = str(exc)
     # where each seam lives: (the object to remove it from, the attribute)
     import deepspeed.comm.comm as ds_comm
+    import deepspeed.utils as ds_utils
     import deepspeed.runtime.zero.partition_parameters as pp
 
     where = {
@@ -95,6 +96,8 @@ def main() -> None:
         "parameter.partition_numel": (param, "partition_numel"), "parameter.all_gather": (param, "all_gather"),
         "parameter.all_gather_coalesced": (param, "all_gather_coalesced"), "parameter.partition": (param, "partition"),
         "ZeroParamStatus.NOT_AVAILABLE / INFLIGHT / AVAILABLE": (pp, "ZeroParamStatus"),
+        "deepspeed.utils.set_z3_leaf_module": (ds_utils, "set_z3_leaf_module"),
+        "deepspeed.utils.z3_leaf_module": (ds_utils, "z3_leaf_module"),
     }
     for s in seams.SEAMS:
         if s.name.startswith("optimizer."):
