@@ -77,8 +77,8 @@ def main() -> None:
         out["intact"] = str(exc)
     # where each seam lives: (the object to remove it from, the attribute)
     import deepspeed.comm.comm as ds_comm
-    import deepspeed.utils as ds_utils
     import deepspeed.runtime.zero.partition_parameters as pp
+    import deepspeed.utils as ds_utils
 
     where = {
         "engine.global_steps": (engine, "global_steps"), "engine.skipped_steps": (engine, "skipped_steps"),
