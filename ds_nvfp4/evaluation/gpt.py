@@ -43,11 +43,15 @@ class Block(nn.Module):
         self.fc = nn.Linear(d, 4 * d)
         self.out = nn.Linear(4 * d, d)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        """``x + attention(ln1(x))`` for ``x [B, T, d]`` (shared with :class:`MoEBlock`)."""
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # attention BMMs stay BF16
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attend(x)
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
@@ -125,11 +129,10 @@ class MoEBlock(nn.Module):
         self.proj = nn.Linear(d, d)
         self.moe = MoE(d, experts, top_k, inter)
 
+    attend = Block.attend  # the same attention (the same parameter names: ln1, qkv, proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        x = self.attend(x)
         return x + self.moe(self.ln2(x))
 
 

@@ -96,14 +96,10 @@ def global_alpha(a: NVFP4Storage | Operand, b: NVFP4Storage | Operand) -> torch.
     applies it to the FP32 accumulator in the same order so their outputs agree.
     """
     # an operand quantized with another global E4M3 bound (4/6: 256) decodes with 6 * bound instead of 2688
-    na, nb = (6.0 * getattr(storage_of_or_none(t), "e4m3_bound", E4M3_MAX) for t in (a, b))
+    # (an Operand without codes holds emulated values of standard NVFP4: 448)
+    na, nb = (6.0 * getattr(t if isinstance(t, NVFP4Storage) else t.tensor, "e4m3_bound", E4M3_MAX) for t in (a, b))
     inv = torch.tensor(1.0 / (na * nb), dtype=torch.float32, device=a.amax.device)
     return (a.amax * b.amax) * inv
-
-
-def storage_of_or_none(t: NVFP4Storage | Operand) -> NVFP4Storage | None:
-    """The operand's :class:`NVFP4Storage` when it keeps one, else None (emulated values only: standard scaling)."""
-    return t if isinstance(t, NVFP4Storage) else getattr(t, "tensor", None)
 
 
 def check_operands(a: NVFP4Storage | Operand, b: NVFP4Storage | Operand) -> None:
