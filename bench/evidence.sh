@@ -43,6 +43,8 @@ config_of() {
     paper_no_warmup) echo bench/configs/nvfp4_full_zero3_no_warmup.json ;;
     # the default preset with the late switch: forward GEMMs BF16 for the last 15% (written for 2,100 steps)
     late15) echo bench/configs/nvfp4_zero3_late15_2100.json ;;
+    # the default preset with 4/6 block scaling of the weights (precision.weights.scaling "4over6", bound 256)
+    four_over_six) echo bench/configs/nvfp4_zero3_4over6.json ;;
     # the default preset with FP4 off for the first 50 steps (the 10M fix)
     warmup50) echo bench/configs/nvfp4_zero3_bf16_warmup50.json ;;
     *) echo "ds_configs/${1%_seed*}.json" ;;

@@ -91,6 +91,14 @@ class CheckpointMetadata(_Record):
         return self.precision.get("weights", {}).get("block", "16x16")
 
     @property
+    def weight_quantization(self) -> dict[str, Any]:
+        """``ds_nvfp4.quantize``'s ``scaling``/``e4m3_bound``/``error`` of the trained weights (standard NVFP4 in
+        files written before 4/6 existed)."""
+        from ..config.schema import WeightsConfig
+
+        return WeightsConfig.model_validate(self.precision.get("weights", {})).quantization()
+
+    @property
     def fuse_rules(self) -> list[list[str]]:
         return self.precision.get("modules", {}).get("fuse", [])
 

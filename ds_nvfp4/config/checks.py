@@ -225,6 +225,11 @@ def cross_check(ds: dict, pc: PrecisionConfig) -> list[Problem]:
                            f'"nvfp4" needs precision.weights.block: "16x16" (found {_show(pc.weights.block)}): the '
                            "Dgrad GEMM uses the transposed weight codes, and only 16x16 tiles stay the same blocks "
                            "when transposed, so forward and backward see one quantized weight", ('"bf16"',)))
+    if pc.weights.scaling == "6" and pc.weights.e4m3_bound not in (None, 448):
+        out.append(Problem("precision.weights.e4m3_bound",
+                           f"{pc.weights.e4m3_bound} needs precision.weights.scaling: \"4over6\" (found \"6\"): "
+                           "standard NVFP4 divides its global scale by 6 * 448; write 448 or null, or scaling "
+                           "\"4over6\"", ("448", "null")))
     cdt = get_path(ds, "communication_data_type")
     want = {"bf16": ("bf16", "bfloat16"), "fp32": ("fp32", "float32")}[pc.communication.reduce_scatter]
     if cdt is not None and not _is_auto(cdt) and str(cdt).lower() not in want:

@@ -25,6 +25,28 @@ class WeightsConfig(StrictModel):
                           "every rank holds the full BF16 model and there is nothing to pack)")
     block: Literal["16x16", "1x16"] = Field(
         "16x16", description="weight block layout; 16x16 is closed under transposition (needed by the FP4 backward)")
+    scaling: Literal["6", "4over6"] = Field(
+        "6", description="block scaling of the weights: \"6\" (standard NVFP4: each block's max maps to 6) or "
+                         "\"4over6\" (each block maps to 4 or to 6, whichever reconstructs it with less error; "
+                         "arXiv 2512.02010, Transformer Engine's nvfp4_4over6). Encoder side only: the codes and "
+                         "scales stay standard NVFP4, exports included")
+    e4m3_bound: Literal[256, 448] | None = Field(
+        None, description="the global E4M3 bound of the per-tensor weight scale (S_enc = 6 * bound / amax): null "
+                          "takes 448 with scaling \"6\" and 256 with \"4over6\" (TE's nvfp4_4over6_e4m3_use_256: "
+                          "the block holding the tensor's amax can then map to 4 without its scale saturating)")
+    scaling_error: Literal["MAE", "MSE"] = Field(
+        "MAE", description="4over6 only: the error that picks map-to-4 or map-to-6 per block (TE's "
+                           "nvfp4_4over6_err_mode)")
+
+    def bound(self) -> int:
+        """The global E4M3 bound the weights are quantized with (448 standard, 256 by default with 4over6)."""
+        if self.e4m3_bound is not None:
+            return self.e4m3_bound
+        return 256 if self.scaling == "4over6" else 448
+
+    def quantization(self) -> dict:
+        """``ds_nvfp4.quantize``'s ``scaling``/``e4m3_bound``/``error`` arguments for these weights."""
+        return {"scaling": self.scaling, "e4m3_bound": self.bound(), "error": self.scaling_error}
 
 
 class ActivationsConfig(StrictModel):
@@ -152,7 +174,9 @@ class PrecisionConfig(StrictModel):
             text = "FP4 forward and backward GEMMs" + (f" (gradients: {', '.join(extras)})" if extras else "")
         else:
             text = "FP4 forward GEMMs, BF16 backward"
-        return text + f", weights in {self.weights.block} blocks" + (
+        scaling = (f" with 4/6 scaling (bound {self.weights.bound()}, {self.weights.scaling_error})"
+                   if self.weights.scaling == "4over6" else "")
+        return text + f", weights in {self.weights.block} blocks{scaling}" + (
             ", RHT on the forward operands" if self.activations.hadamard else "")
 
 

@@ -114,7 +114,7 @@ def initialize(*args, **kwargs):
 
         names = {id(p): n for n, p in engine.module.named_parameters()}
         fused = [[id(engine.module.get_submodule(n).weight) for n in g] for g in conversion.fused_groups]
-        state.store = install_storage(engine, names, converted, precision.weights.block,
+        state.store = install_storage(engine, names, converted, layers[0].recipe,
                                       precision.communication.all_gather, fused)
         for name, why in state.store.kept_bf16.items():
             conversion.notes.append(f"{name}: FP4 GEMMs, but its ZeRO-3 partition is stored BF16: {why}")

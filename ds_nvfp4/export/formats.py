@@ -9,6 +9,10 @@ Per quantized matrix (a unit's row range; 16x16 tile scales written replicated o
 | block scales | ``weight_scale`` e4m3 ``[N, K/16]`` | ``weight_scale`` e4m3 ``[N, K/16]`` |
 | weight global | ``weight_scale_2`` = amax/2688 (decode) | ``weight_global_scale`` fp32 ``[1]`` = 2688/amax (encode) |
 | input global (W4A4) | ``input_scale`` = amax/2688 | ``input_global_scale`` fp32 ``[1]`` = 2688/amax |
+
+A weight trained with 4/6 block scaling (``precision.weights.scaling: "4over6"``) is standard NVFP4 to a reader: its
+codes and E4M3 block scales are ordinary, only its global scale divides by ``6 * e4m3_bound`` (1,536 with TE's
+default bound 256) instead of 2,688, and both formats carry the global scale explicitly.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..format import NVFP4Storage
-from ..format.constants import GLOBAL_SCALE_NUMERATOR
+from ..format.constants import E2M1_MAX, GLOBAL_SCALE_NUMERATOR
 
 FORMATS = ("bf16", "nvfp4-modelopt", "nvfp4-compressed-tensors")
 
@@ -27,16 +31,17 @@ def nvfp4_tensors(fmt: str, name: str, q: NVFP4Storage, rows: slice, input_amax:
     ``input_amax`` given: W4A4 (the static activation scale), else weights only."""
     data = q.data[rows].contiguous()
     scale = q.rowwise_scale()[rows].contiguous()
+    numerator = E2M1_MAX * q.e4m3_bound  # 2688 for standard NVFP4; 1536 for 4/6 with the bound 256
     if fmt == "nvfp4-modelopt":
         out = {f"{name}.weight": data, f"{name}.weight_scale": scale,
-               f"{name}.weight_scale_2": (q.amax / GLOBAL_SCALE_NUMERATOR).reshape(())}
+               f"{name}.weight_scale_2": (q.amax / numerator).reshape(())}
         if input_amax is not None:
             out[f"{name}.input_scale"] = torch.tensor(input_amax / GLOBAL_SCALE_NUMERATOR)
         return out
     # compressed-tensors: fp32 shape [1], the divisor form (it and vLLM take the reciprocal; a 0-dim scalar makes
     # compressed-tensors compute in BF16)
     out = {f"{name}.weight_packed": data, f"{name}.weight_scale": scale,
-           f"{name}.weight_global_scale": (GLOBAL_SCALE_NUMERATOR / q.amax).reshape(1)}
+           f"{name}.weight_global_scale": (numerator / q.amax).reshape(1)}
     if input_amax is not None:
         out[f"{name}.input_global_scale"] = torch.tensor([GLOBAL_SCALE_NUMERATOR / input_amax])
     return out

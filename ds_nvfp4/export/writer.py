@@ -102,7 +102,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, ta
     tensors: dict[str, torch.Tensor] = {k: v.to(torch.bfloat16).contiguous() for k, v in rest.items()}
     written: list[str] = []
     for u in units:
-        q = quantize(u.source, block=meta.weight_block, amax=u.amax)
+        q = quantize(u.source, block=meta.weight_block, amax=u.amax, **meta.weight_quantization)
         for name, a, b in u.outputs:
             written.append(name)
             if fmt == "bf16":

@@ -55,10 +55,12 @@ class GemmBackend(ABC):
     name: str
 
     def quantize(self, x: torch.Tensor, *, block: str = "1x16", rounding: str = "nearest",
-                 amax: torch.Tensor | None = None, keep_codes: bool = False) -> Operand:
+                 amax: torch.Tensor | None = None, keep_codes: bool = False, scaling: str = "6",
+                 e4m3_bound: int | None = None, error: str = "MAE") -> Operand:
         """Quantize a 2-D ``x`` ``[M, K]`` along K into this backend's operand (arguments as ``ds_nvfp4.quantize``;
         ``keep_codes``: the operand must also hold the NVFP4 codes, e.g. to save them for a backward)."""
-        q = quantize(x, block=block, rounding=rounding, amax=amax)
+        q = quantize(x, block=block, rounding=rounding, amax=amax, scaling=scaling, e4m3_bound=e4m3_bound,
+                     error=error)
         return Operand(q.amax, q, None)
 
     def operand(self, q: NVFP4Storage | Operand) -> Operand:

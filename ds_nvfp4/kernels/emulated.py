@@ -55,12 +55,14 @@ class EmulatedBackend(GemmBackend):
         return self.fixed or operand_choice(device).dtype
 
     def quantize(self, x: torch.Tensor, *, block: str = "1x16", rounding: str = "nearest",
-                 amax: torch.Tensor | None = None, keep_codes: bool = False) -> Operand:
+                 amax: torch.Tensor | None = None, keep_codes: bool = False, scaling: str = "6",
+                 e4m3_bound: int | None = None, error: str = "MAE") -> Operand:
         dtype = self.operand_dtype(x.device)
-        if rounding == "nearest" and x.dim() == 2:
+        if rounding == "nearest" and x.dim() == 2 and scaling == "6":  # the one-pass kernel is standard NVFP4's
             values, used, q = quantize_values(x, block=block, amax=amax, dtype=dtype, keep_codes=keep_codes)
             return Operand(used, q, values)
-        q = quantize(x, block=block, rounding=rounding, amax=amax)
+        q = quantize(x, block=block, rounding=rounding, amax=amax, scaling=scaling, e4m3_bound=e4m3_bound,
+                     error=error)
         return Operand(q.amax, q, q.block_values(dtype))
 
     def operand(self, q: NVFP4Storage | Operand) -> Operand:

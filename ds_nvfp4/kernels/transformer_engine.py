@@ -29,6 +29,7 @@ import torch
 from packaging.version import Version
 
 from ..format import NVFP4Storage
+from ..format.constants import E4M3_MAX
 from .base import GemmBackend, Operand, check_operands, codes
 from .swizzle import pad_scales
 
@@ -64,11 +65,15 @@ def storage_kwargs(params: Mapping[str, inspect.Parameter], t: NVFP4Storage, fp4
     """Keyword arguments of TE's storage constructor for ``t`` (rowwise only), for the constructor whose parameters
     are ``params``. Raises TypeError when a required parameter is one this backend does not know."""
     m, k = t.shape
+    # TE's GEMM decodes a storage's global scale as amax / (6 * 448); a tensor quantized with another E4M3 bound
+    # (4/6: 256) hands TE the amax that gives its own decode scale, amax * 448 / bound (one float32 rounding away
+    # from amax / (6 * bound): the select smoke test's tolerance, not the emulation's bits)
+    amax = t.amax if t.e4m3_bound == E4M3_MAX else t.amax * (E4M3_MAX / t.e4m3_bound)
     # TE keeps amax and a padded (not swizzled) [roundup(M,128), roundup(K/16,4)] uint8 scale array
     kwargs = {"rowwise_data": t.data.reshape(m, k // 2),
               "rowwise_scale_inv": pad_scales(t.rowwise_scale()).view(torch.uint8),
               "columnwise_data": None, "columnwise_scale_inv": None,
-              "amax_rowwise": t.amax.reshape(1), "amax_columnwise": None,
+              "amax_rowwise": amax.reshape(1), "amax_columnwise": None,
               "fp4_dtype": fp4_dtype, "quantizer": None}
     if "with_gemm_swizzled_scales" in params:
         kwargs["with_gemm_swizzled_scales"] = False

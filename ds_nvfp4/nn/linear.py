@@ -33,7 +33,8 @@ def fp4_forward(module: FP4Module, x: torch.Tensor, weight: torch.Tensor, bias: 
         if stored_kn:
             from ..format import quantize
 
-            q = quantize(weight.t(), block="16x16", amax=amax).t()  # weight.t(): the stored, contiguous layout
+            # weight.t(): the stored, contiguous layout
+            q = quantize(weight.t(), block="16x16", amax=amax, **recipe.weight_quantization()).t()
             reused = (q.data, q.scale, q.amax)
             codes.keep(param, reused, index)
     if module.stats.capture:

@@ -16,15 +16,17 @@ from torch import nn
 from ..format import hadamard, quantize
 
 
-def tensor_stats(x: torch.Tensor, block: str = "1x16", amax: torch.Tensor | None = None) -> dict[str, float]:
-    """Statistics of quantizing ``x`` ``[..., K]`` (nearest rounding) as python floats."""
+def tensor_stats(x: torch.Tensor, block: str = "1x16", amax: torch.Tensor | None = None,
+                 **scaling) -> dict[str, float]:
+    """Statistics of quantizing ``x`` ``[..., K]`` (nearest rounding) as python floats; ``scaling``: the
+    ``scaling``/``e4m3_bound``/``error`` arguments of ``ds_nvfp4.quantize`` (a weight's 4/6 recipe)."""
     x2 = x.detach().reshape(-1, x.shape[-1])
     if block == "16x16" and x2.shape[0] % 16:
         block = "1x16"
-    q = quantize(x2, block=block, amax=amax)
+    q = quantize(x2, block=block, amax=amax, **scaling)
     xf = x2.float()
     deq = q.dequantize(torch.float32)
-    unit = q.rowwise_scale().float().repeat_interleave(16, dim=1) * q.amax / 2688.0
+    unit = q.rowwise_scale().float().repeat_interleave(16, dim=1) * q.global_decode_scale
     nonzero = xf != 0
     flushed = (nonzero & (deq == 0)).sum() / nonzero.sum().clamp(min=1)
     saturated = (xf.abs() > 6.0 * unit * (1 + 2**-20)).float().mean()
@@ -46,7 +48,8 @@ class LayerStats:
             w = hadamard(weight) if recipe.act_hadamard else weight
             amax = None if (weight_amax is None or recipe.act_hadamard) else weight_amax.float().reshape(())
             self.last.update({f"input/{k}": v for k, v in tensor_stats(xin).items()})
-            self.last.update({f"weight/{k}": v for k, v in tensor_stats(w, recipe.weight_block, amax).items()})
+            self.last.update({f"weight/{k}": v for k, v in tensor_stats(w, recipe.weight_block, amax,
+                                                                               **recipe.weight_quantization()).items()})
 
     def observe_grad(self, grad: torch.Tensor) -> None:
         with torch.no_grad():

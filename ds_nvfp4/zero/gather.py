@@ -82,7 +82,8 @@ class _PackedGatherHandle:
             p = e.param
             dev = p.ds_tensor.device
             weight, (data, scale, amax) = from_wire(chunks[:, off:off + size].to(dev), tuple(p.ds_shape),
-                                                    self.store.block, e.codes.agreed_amax.to(dev))
+                                                    self.store.block, e.codes.agreed_amax.to(dev),
+                                                    self.store.e4m3_bound)
             off += size
             p.data = weight.to(p.ds_tensor.dtype).view(p.ds_shape).to(p.device)
             # the codes as they arrived: the forward multiplies them instead of quantizing again

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..nn.recipe import Recipe
 from ..nn.weights import WeightCodes
 from .gather import install_gather_hooks
 from .packed import PackedPartitions
@@ -34,14 +35,15 @@ class PackedStorageOptimizerMixin:
             return super().load_module_checkpoint_state_from_checkpoint_dir_stage3(*args, **kwargs)
 
 
-def install(engine, names: dict[int, str], converted: dict[int, WeightCodes], block: str, all_gather: str,
+def install(engine, names: dict[int, str], converted: dict[int, WeightCodes], recipe: Recipe, all_gather: str,
             fused: list[list[int]] | None = None) -> PackedPartitions:
     """Pack the engine's converted ZeRO-3 weights and hook DeepSpeed (called by ``ds_nvfp4.initialize``).
 
+    ``recipe``: the layers' weight quantization (block, scaling) that the partitions reproduce bit for bit;
     ``fused`` lists groups of parameter ids (weights of one fused inference GEMM) that share one amax.
     """
     opt = engine.optimizer
-    store = PackedPartitions(engine, names, converted, block, all_gather, fused)
+    store = PackedPartitions(engine, names, converted, recipe, all_gather, fused)
     base = type(opt)
     opt.__class__ = type(f"NVFP4{base.__name__}", (PackedStorageOptimizerMixin, base), {})
     opt._ds_nvfp4_store = store

@@ -20,6 +20,7 @@ import torch
 
 from ..nn.fused import share_amax
 from ..nn.nonfinite import NonFiniteError
+from ..nn.recipe import Recipe
 from ..nn.weights import WeightCodes
 from .collectives import agree_max
 from .partition import PackedPartition, PartitionLayout, local_amax, pack_partition, partition_layout, unpack_partition
@@ -92,11 +93,14 @@ class PackedPartitions:
     agreed amax and hands it gathered codes.
     """
 
-    def __init__(self, engine, names: dict[int, str], converted: dict[int, WeightCodes], block: str,
+    def __init__(self, engine, names: dict[int, str], converted: dict[int, WeightCodes], recipe: Recipe,
                  all_gather: str, fused: list[list[int]] | None = None) -> None:
         self.engine = engine
         self.opt = engine.optimizer
-        self.block = block
+        self.block = block = recipe.weight_block
+        #: ``ds_nvfp4.quantize``'s scaling arguments of the layers' weights (4/6 or standard), and its E4M3 bound
+        self.scaling = recipe.weight_quantization()
+        self.e4m3_bound = recipe.weight_bound
         self.all_gather = all_gather
         self.entries: dict[int, Entry] = {}
         self.by_group: list[list[Entry]] = []
@@ -183,7 +187,8 @@ class PackedPartitions:
                 for i, j in at.items():
                     amaxes[i] = shared[j]
             for e, amax in zip(packable, amaxes):
-                q = pack_partition(fp32.narrow(0, e.offset, e.numel).detach(), e.layout, self.block, amax)
+                q = pack_partition(fp32.narrow(0, e.offset, e.numel).detach(), e.layout, self.block, amax,
+                                   **self.scaling)
                 e.q = q.to(e.param.ds_tensor.device)
                 e.codes.agreed_amax = amax.to(e.param.ds_tensor.device).clone()
                 e.param.ds_tensor.data = _placeholder(e.param.ds_tensor)
@@ -309,7 +314,8 @@ class PackedPartitions:
             amax = full.detach().float().abs().amax()
         else:
             amax = full.detach().float().abs().reshape(e.layout.experts, -1).amax(1)
-        e.q = pack_partition(mine.detach().float(), e.layout, self.block, amax).to(p.ds_tensor.device)
+        e.q = pack_partition(mine.detach().float(), e.layout, self.block, amax,
+                             **self.scaling).to(p.ds_tensor.device)
         e.codes.agreed_amax = amax.to(p.ds_tensor.device)
 
     # ---- reporting ------------------------------------------------------------------------------------------

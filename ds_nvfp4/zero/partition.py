@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..format import NVFP4Storage, quantize
-from ..format.constants import BLOCK_SIZE
+from ..format.constants import BLOCK_SIZE, E4M3_MAX
 
 
 @dataclass(frozen=True)
@@ -112,11 +112,14 @@ def local_amax(flat: torch.Tensor, layout: PartitionLayout) -> torch.Tensor:
     return out
 
 
-def pack_partition(flat: torch.Tensor, layout: PartitionLayout, block: str, amax: torch.Tensor) -> PackedPartition:
-    """Quantize a flat FP32/BF16 partition ``[P]`` with the agreed ``amax`` (0-dim, or ``[E]`` per expert)."""
+def pack_partition(flat: torch.Tensor, layout: PartitionLayout, block: str, amax: torch.Tensor,
+                   **scaling) -> PackedPartition:
+    """Quantize a flat FP32/BF16 partition ``[P]`` with the agreed ``amax`` (0-dim, or ``[E]`` per expert);
+    ``scaling``: ``ds_nvfp4.quantize``'s ``scaling``/``e4m3_bound``/``error`` (4/6 decides per block or tile, which
+    a partition holds whole, so it too gives the slice of the whole matrix's codes)."""
     return PackedPartition(tuple(
         quantize(flat.narrow(0, s.start, s.numel).reshape(s.rows, s.cols), block=block,
-                 amax=(amax if s.expert is None else amax[s.expert]).reshape(()).clone())
+                 amax=(amax if s.expert is None else amax[s.expert]).reshape(()).clone(), **scaling)
         for s in layout.segments))
 
 
@@ -125,10 +128,11 @@ def unpack_partition(q: PackedPartition, dtype: torch.dtype = torch.bfloat16) ->
     return q.dequantize(dtype)
 
 
-def from_wire(chunks: torch.Tensor, shape: tuple[int, ...], block: str, amax: torch.Tensor
-              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def from_wire(chunks: torch.Tensor, shape: tuple[int, ...], block: str, amax: torch.Tensor,
+              e4m3_bound: float = E4M3_MAX) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The whole weight from every rank's :meth:`PackedPartition.wire` (``chunks`` ``[world, bytes]``, rank order):
-    ``(float32 weight in shape, codes (data, scale e4m3, amax) in the weight's layout, [E, ...] for experts)``."""
+    ``(float32 weight in shape, codes (data, scale e4m3, amax) in the weight's layout, [E, ...] for experts)``;
+    ``e4m3_bound``: the global E4M3 bound the partitions were quantized with (256 or 448 with 4/6)."""
     rows, cols = shape[-2:]
     lead = shape[:-2]
     total = rows * cols * (shape[0] if lead else 1)
@@ -137,8 +141,8 @@ def from_wire(chunks: torch.Tensor, shape: tuple[int, ...], block: str, amax: to
     scale_rows = rows // BLOCK_SIZE if block == "16x16" else rows
     scale = chunks[:, data_bytes:].contiguous().view(torch.float8_e4m3fn).reshape(*lead, scale_rows, cols // 16)
     if not lead:
-        weight = NVFP4Storage(data, scale, amax, torch.Size((rows, cols)), block).dequantize(torch.float32)
+        weight = NVFP4Storage(data, scale, amax, torch.Size((rows, cols)), block, e4m3_bound).dequantize(torch.float32)
     else:
-        weight = torch.stack([NVFP4Storage(data[e], scale[e], amax[e], torch.Size((rows, cols)), block)
+        weight = torch.stack([NVFP4Storage(data[e], scale[e], amax[e], torch.Size((rows, cols)), block, e4m3_bound)
                               .dequantize(torch.float32) for e in range(shape[0])])
     return weight, (data, scale, amax)

@@ -55,3 +55,13 @@ def test_bad_files_are_named_with_what_is_wrong(tmp_path: Path, text: str, needl
     assert str(info.value).startswith(f"{path}: ") and needle in str(info.value), str(info.value)
     with pytest.raises(CheckpointError, match="missing"):
         read_metadata(tmp_path / "nothing.json")
+
+
+def test_the_weights_quantization_is_read_back_for_export() -> None:
+    """What `ds-nvfp4 export` re-quantizes the masters with: standard NVFP4 for files from before 4/6, the run's
+    4/6 arguments otherwise."""
+    raw = json.loads(FIXTURE.read_text())
+    assert read_metadata(FIXTURE).weight_quantization == {"scaling": "6", "e4m3_bound": 448, "error": "MAE"}
+    raw["precision"]["weights"].update(scaling="4over6", e4m3_bound=None, scaling_error="MSE")
+    meta = CheckpointMetadata.model_validate(raw)
+    assert meta.weight_quantization == {"scaling": "4over6", "e4m3_bound": 256, "error": "MSE"}

@@ -30,7 +30,7 @@ def errors(d: dict) -> list:
 def test_defaults_are_the_contract() -> None:
     assert PrecisionConfig().model_dump() == {
         "enabled": False, "format": "nvfp4",
-        "weights": {"storage": None, "block": "16x16"},
+        "weights": {"storage": None, "block": "16x16", "scaling": "6", "e4m3_bound": None, "scaling_error": "MAE"},
         "activations": {"block": "1x16", "hadamard": False},
         "backward": {"gemm": "bf16", "stochastic_rounding": True, "hadamard": True},
         "communication": {"all_gather": "bf16", "reduce_scatter": "bf16"},
@@ -222,6 +222,29 @@ def test_fp4_backward_needs_16x16_weights() -> None:
     (p,) = errors(cfg(weights={"block": "1x16"}, backward={"gemm": "nvfp4"}))
     assert p.path == "precision.backward.gemm" and 'precision.weights.block: "16x16"' in p.message
     assert errors(cfg(backward={"gemm": "nvfp4"})) == []
+
+
+def test_4over6_weights_and_their_bound() -> None:
+    """weights.scaling "4over6" takes TE's bound 256 unless told 448; a bound other than 448 needs 4over6; the
+    recipe and the checkpoint's export read the same quantize arguments."""
+    from ds_nvfp4.nn import Recipe
+
+    pc = load_config(cfg(weights={"scaling": "4over6"}))[1]
+    assert pc.weights.quantization() == {"scaling": "4over6", "e4m3_bound": 256, "error": "MAE"}
+    r = Recipe.from_config(pc, "emulated")
+    assert (r.weight_scaling, r.weight_bound, r.weight_error) == ("4over6", 256, "MAE")
+    assert Recipe.decode(r.encode()) == r
+    assert "4/6 scaling (bound 256, MAE)" in pc.describe_recipe()
+    pc = load_config(cfg(weights={"scaling": "4over6", "e4m3_bound": 448, "scaling_error": "MSE"}))[1]
+    assert pc.weights.quantization() == {"scaling": "4over6", "e4m3_bound": 448, "error": "MSE"}
+    assert load_config(cfg())[1].weights.quantization() == {"scaling": "6", "e4m3_bound": 448, "error": "MAE"}
+    (p,) = errors(cfg(weights={"e4m3_bound": 256}))
+    assert p.path == "precision.weights.e4m3_bound" and 'scaling: "4over6"' in p.message
+    assert p.allowed == ("448", "null")
+    (p,) = errors(cfg(weights={"scaling": "4over6", "e4m3_bound": 300}))
+    assert p.path == "precision.weights.e4m3_bound" and "256, 448" in ", ".join(p.allowed)
+    (p,) = errors(cfg(weights={"scaling": "4/6"}))
+    assert p.path == "precision.weights.scaling" and ", ".join(p.allowed) == '"6", "4over6"'
 
 
 def test_reduce_scatter_must_agree_with_communication_data_type() -> None:

@@ -162,3 +162,19 @@ def test_a_tie_keeps_map_to_6(block: str) -> None:
     assert torch.equal(q.dequantize(F32), x)
     _, want_scale, _, pick4 = te_4over6(x, block, 256, "MAE")
     assert not pick4.any() and torch.equal(q.rowwise_scale().float(), want_scale.float())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4-modelopt", "nvfp4-compressed-tensors"])
+def test_an_export_of_4over6_weights_is_standard_nvfp4_to_a_reader(fmt: str) -> None:
+    """The exported global scale divides by 6 * 256: a reader's decode (codes x block scale x global decode scale,
+    the reciprocal for compressed-tensors' encode form) gives the trained values, to one float32 rounding."""
+    from ds_nvfp4.export.formats import nvfp4_tensors
+
+    q = ds_nvfp4.quantize(_data(11), block="16x16", scaling="4over6")
+    t = nvfp4_tensors(fmt, "l", q, slice(0, 64), None)
+    codes = t["l.weight" if fmt == "nvfp4-modelopt" else "l.weight_packed"]
+    glob = t["l.weight_scale_2"] if fmt == "nvfp4-modelopt" else 1.0 / t["l.weight_global_scale"]
+    vals = ds_nvfp4.format.e2m1.decode(ds_nvfp4.format.e2m1.unpack(codes)).float()
+    got = vals * t["l.weight_scale"].float().repeat_interleave(16, 1) * glob
+    assert torch.allclose(got, q.dequantize(F32), rtol=2 ** -22, atol=0)
+    assert not torch.allclose(got * 1536.0 / 2688.0, q.dequantize(F32))  # not read as if the bound were 448

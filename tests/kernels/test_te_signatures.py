@@ -80,3 +80,15 @@ def test_tested_range_covers_the_claimed_releases() -> None:
         assert te_backend.in_tested_range(v), v
     assert te_backend.in_tested_range("2.7.1") is False and te_backend.in_tested_range("3.0") is False
     assert te_backend.in_tested_range(None) is None
+
+
+def test_a_4over6_storage_hands_te_the_amax_of_its_decode_scale() -> None:
+    """TE decodes amax / (6 * 448); a 4/6 tensor at the 256 bound decodes amax / (6 * 256): TE gets amax * 448/256."""
+    sig = _signature(*STORAGE[sorted(STORAGE)[-1]])
+    t = ds_nvfp4.quantize(torch.randn(32, 64), block="16x16", scaling="4over6")
+    kwargs = te_backend.storage_kwargs(sig.parameters, t, fp4_dtype="kFloat4E2M1")
+    te_decode = kwargs["amax_rowwise"].reshape(()) / 2688.0
+    assert torch.allclose(te_decode, t.global_decode_scale, rtol=2 ** -23, atol=0)
+    standard = ds_nvfp4.quantize(torch.randn(32, 64), block="16x16")
+    assert torch.equal(te_backend.storage_kwargs(sig.parameters, standard, "kFloat4E2M1")["amax_rowwise"],
+                       standard.amax.reshape(1))

@@ -49,6 +49,34 @@ def test_forward_is_bit_exact(block: str, lead: tuple, dtype: torch.dtype, fp32_
     assert torch.equal(out.reshape(-1, 48), ref.to(dtype))
 
 
+@pytest.mark.parametrize("bound", [256, 448])
+@pytest.mark.parametrize("block", ["16x16", "1x16"])
+def test_4over6_weights_forward_and_backward_are_bit_exact(bound: int, block: str, fp32_operands) -> None:
+    """precision.weights.scaling "4over6": the forward multiplies the 4/6 codes of the weight (format-level 4/6 is
+    checked against TE's reference in tests/format/test_four_over_six.py) with alpha over 6 * bound, and the BF16
+    backward multiplies that same dequantized weight."""
+    from tests.reference import ref_block_values, ref_quantize
+
+    lin = make(k=64, n=48, weight_block=block, weight_scaling="4over6", weight_bound=bound)
+    with torch.no_grad():  # tiles of very different magnitude, so that both candidates are chosen
+        lin.weight.mul_(torch.exp(torch.randn(3, 4) * 2).repeat_interleave(16, 0).repeat_interleave(16, 1))
+    w = lin.weight.detach()
+    x = torch.randn(37, 64, requires_grad=True)
+    out = lin(x)
+    qw = ds_nvfp4.quantize(w, block=block, scaling="4over6", e4m3_bound=bound)
+    standard = ds_nvfp4.quantize(w, block=block)
+    assert not torch.equal(qw.codes(), standard.codes())  # 4/6 changed some blocks
+    pa, sa, aa = ref_quantize(x.detach(), "1x16")
+    vw = ds_nvfp4.format.e2m1.decode(qw.codes()).float() * qw.rowwise_scale().float().repeat_interleave(16, 1)
+    acc = ref_block_values(pa, sa, "1x16") @ vw.t()
+    ref = acc * ((aa * qw.amax) * torch.tensor(1.0 / (2688.0 * 6.0 * bound))) + lin.bias.detach()
+    assert torch.equal(out, ref)
+    g = torch.randn_like(out)
+    out.backward(g)
+    want_dx = (g.to(torch.bfloat16) @ qw.dequantize(torch.bfloat16)).float()
+    assert torch.equal(x.grad, want_dx)
+
+
 @pytest.mark.parametrize("block", ["16x16", "1x16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_with_bf16_operands_keeps_the_contract(block: str, dtype: torch.dtype, bf16_operands) -> None:

@@ -54,6 +54,22 @@ def test_nvfp4_all_gather_gives_the_same_bits(bf16_gather) -> None:
         assert all(b["weight_quantizations"][n] > 0 for n in b["weight_quantizations"] if n not in packed)
 
 
+@pytest.mark.parametrize("gather", ["bf16", "nvfp4"])
+def test_4over6_weights_are_stored_gathered_and_multiplied_bit_for_bit(gather: str) -> None:
+    """precision.weights.scaling "4over6": the packed partitions hold the 4/6 codes of the FP32 master (bound 256),
+    both gathers deliver them, and the forward multiplies exactly them (not the standard quantization)."""
+    res = run_ranks("train", steps=4, config={"precision.weights.scaling": "4over6",
+                                              "precision.communication.all_gather": gather})
+    for r in res:
+        for when in ("before", "after"):
+            packed = {n: v for n, v in r[when].items() if v["packed"]}
+            assert packed and all(v["equal"] for v in packed.values()), (when, r[when])
+            assert not all(v["standard"] for v in packed.values())  # 4/6 chose map-to-4 somewhere
+        assert r["finite"] and "4/6 scaling (bound 256, MAE)" in r["recipe"]
+        if gather == "nvfp4":
+            assert all(r["weight_quantizations"][n] == 0 for n in packed)  # the gathered 4/6 codes were reused
+
+
 def test_checkpoint_resume_is_exact(tmp_path) -> None:
     res = run_ranks("checkpoint", dir=str(tmp_path / "ckpt"),
                     config={"zero_optimization.stage3_gather_16bit_weights_on_model_save": True})

@@ -127,7 +127,8 @@ def exactness(engine) -> dict:
     from ds_nvfp4.nn import NVFP4Linear
 
     out = {}
-    block = engine.ds_nvfp4.precision.weights.block
+    weights = engine.ds_nvfp4.precision.weights
+    block = weights.block
     store = engine.ds_nvfp4.store
     if store is None:  # ZeRO 0-2 or BF16 storage: nothing is packed
         return out
@@ -137,10 +138,12 @@ def exactness(engine) -> dict:
         master = deepspeed.utils.safe_get_full_fp32_param(m.weight)
         with deepspeed.zero.GatheredParameters([m.weight]):
             seen = m.weight.data.clone()
-        want = ds_nvfp4.quantize(master, block=block, amax=master.abs().max()).dequantize(torch.bfloat16)
+        want = ds_nvfp4.quantize(master, block=block, amax=master.abs().max(),
+                                 **weights.quantization()).dequantize(torch.bfloat16)
+        standard = ds_nvfp4.quantize(master, block=block, amax=master.abs().max()).dequantize(torch.bfloat16)
         packed = store.entries[id(m.weight)].packable
         out[name] = {"packed": packed, "equal": bool(torch.equal(seen, want)),
-                     "checksum": float(seen.float().abs().sum())}
+                     "standard": bool(torch.equal(seen, standard)), "checksum": float(seen.float().abs().sum())}
     return out
 
 
@@ -161,7 +164,8 @@ def scenario_train(rank: int, p: dict) -> dict:
     return {"losses": losses, "before": before, "after": after, "report": rep.to_dict() if rep else None,
             "weight_quantizations": quantized,
             "grads": grads, "weight_shapes": shapes,
-            "conversion": engine.ds_nvfp4.conversion.to_dict(), "kernel": engine.ds_nvfp4.selection.name}
+            "conversion": engine.ds_nvfp4.conversion.to_dict(), "kernel": engine.ds_nvfp4.selection.name,
+            "recipe": engine.ds_nvfp4.precision.describe_recipe()}
 
 
 def scenario_checkpoint(rank: int, p: dict) -> dict:
