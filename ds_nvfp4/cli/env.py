@@ -10,6 +10,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("env", help="does this node run NVFP4 natively, and if not, why",
                        description="Exit 0: ok (and the --config precision can run here); 1: it cannot.")
     p.add_argument("--config", help="a ds_config whose precision section must be able to run here")
+    p.add_argument("--model", help="with --config: the ZeRO-3 bytes per step of this model (reference preset or "
+                                   "Hugging Face model directory / config.json)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
@@ -17,8 +19,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..envcheck import check_environment
 
+    if args.model and not args.config:
+        from ._common import bad_input
+
+        return bad_input("env", ValueError("--model needs --config (the ds_config whose traffic to state)"))
     rep = check_environment(args.config)
     ok = rep.get("config", {}).get("runs_here", True)
+    if args.model and ok:
+        from ..config import load_config
+        from ._common import bad_input, model_traffic
+
+        ds, pc = load_config(args.config)
+        try:
+            t, label = model_traffic(args.model, ds, pc)
+        except (ValueError, OSError) as exc:
+            return bad_input("env", exc)
+        rep["config"]["traffic"] = {"model": label, **t.as_dict(), "summary": t.describe()}
     if args.json:
         print(json.dumps(rep, indent=2))
         return 0 if ok else 1
@@ -61,4 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if "config" in rep:
         c = rep["config"]
         print(f"  config     {c['file']}: {'OK' if c['runs_here'] else 'CANNOT RUN'}: {c['reason']}")
+        if "traffic" in c:
+            print(f"  traffic    ZeRO-3 per optimizer step and rank ({c['traffic']['model']}): "
+                  f"{c['traffic']['summary']}")
     return 0 if ok else 1

@@ -8,14 +8,14 @@ import sys
 
 from ..config import ConfigError, PrecisionConfig, UnreadableConfig, load_config
 from ..config.schedule import SchedulePlan
-
-#: storage bytes per weight element (codes + block scales; the 4-byte amax per tensor is negligible)
-BYTES_PER_PARAM = {("nvfp4", "1x16"): 0.5 + 1 / 16, ("nvfp4", "16x16"): 0.5 + 1 / 256}
+from ..zero.traffic import NVFP4_BYTES_PER_PARAM
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("explain", help="show the effective precision settings (defaults filled in) and their effect")
     p.add_argument("file", metavar="FILE")
+    p.add_argument("--model", help="also state the ZeRO-3 bytes per step of this model: a reference preset (20m, "
+                                   "...) or a Hugging Face model directory / config.json (read on the meta device)")
     p.set_defaults(func=run)
 
 
@@ -41,7 +41,7 @@ def describe(ds: dict, pc: PrecisionConfig) -> list[str]:
         + (", RHT on both forward operands." if pc.activations.hadamard else "."),
     ]
     if pc.stored_packed(stage):
-        bpp = BYTES_PER_PARAM[("nvfp4", pc.weights.block)]
+        bpp = NVFP4_BYTES_PER_PARAM[pc.weights.block]
         lines.append(f"  ZeRO-3 partitions of converted weights stored packed: {bpp:.4f} bytes/param "
                      f"({bpp / 2:.1%} of BF16's 2), re-quantized from the FP32 master after each step "
                      f"({pc.describe_storage(stage)}).")
@@ -96,5 +96,13 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
-    print("\n".join(describe(ds, pc)))
+    lines = describe(ds, pc)
+    if args.model:
+        from ._common import bad_input, traffic_lines
+
+        try:
+            lines += traffic_lines(args.model, ds, pc)
+        except (ValueError, OSError) as exc:
+            return bad_input("explain", exc)
+    print("\n".join(lines))
     return 0

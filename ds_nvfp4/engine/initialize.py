@@ -25,6 +25,7 @@ from ..nn.module import FP4Module
 from ..zero import seams
 from ..zero.leaves import mark_experts_leaves
 from ..zero.shm import release_shm_workspace
+from ..zero.traffic import engine_traffic
 from .announce import announce, summary_line
 from .checkpoint import Checkpoints
 from .lifecycle import Feature, install, is_pipeline
@@ -131,7 +132,9 @@ def initialize(*args, **kwargs):
     if state.rank == 0 or (is_pipeline(engine) and engine.grid.get_data_parallel_rank() == 0):
         report = state.store.report() if state.store is not None else None
         announce(summary_line(state, report) + "\n" + conversion.table()
-                 + (f"\n{report.summary()}" if report is not None else ""))
+                 + (f"\n{report.summary()}" if report is not None else "")
+                 + (f"\nds_nvfp4 ZeRO-3 traffic per optimizer step and rank: {engine_traffic(engine).describe()}"
+                    if state.stage == 3 else ""))
     return engine, optimizer, loader, scheduler
 
 

@@ -1,4 +1,4 @@
-"""Emulated hosts on one machine: network namespaces joined by a veth pair, one sshd per host.
+"""Emulated hosts on one machine: network namespaces joined through a switch namespace, one sshd per host.
 
 ``with Cluster(tmp_path, ["n1", "n2"]) as c:`` gives hosts ``c.hosts[i]`` with a name, an address on the
 ``dsnv0`` interface (10.77.0.1, 10.77.0.2, ...; the namespaces are private, so clusters of concurrent tests do not
@@ -9,6 +9,12 @@ see each other) and:
   machine's own files are never written; the bind mounts vanish with the process);
 - ``host.start(name, cmd)``: a daemon on the host, stopped (process group, then any process left in the namespace)
   when the cluster closes, also on failure.
+
+Topology: a star, like hosts on one switch. Each host's ``dsnv0`` is one end of a veth pair whose other end
+(``port<i>``) sits on a bridge in a third namespace, the switch. ``c.shape(rate_mbit)`` gives every host a full-duplex
+NIC of that rate: a token bucket (``tc tbf``) on the host's egress (its transmit side) and one on its switch port's
+egress (its receive side); ``c.shape(None)`` removes them. The kernel of this project's machines has no ``netem``,
+so no delay is added: the link's own latency (tens of microseconds) stays.
 
 What the launch note (../shared/notes/launch.md) says matters: ``ip netns exec`` remounts /sys (slurmd then dies), so
 commands enter with ``nsenter --net`` + ``unshare --mount --uts``; gloo binds to what the host name resolves to, so
@@ -113,15 +119,17 @@ class Managed:
 
 
 class Cluster(Managed):
-    """Context manager: N emulated hosts joined on one L2 segment (a bridge-less veth pair for 2 hosts)."""
+    """Context manager: N emulated hosts (2 to 200) on one switch (see the module docstring)."""
 
     def __init__(self, root: Path, names: tuple[str, ...] = ("n1", "n2"), ssh: bool = True) -> None:
-        if len(names) != 2:
-            raise ValueError("one veth pair joins exactly two hosts")
+        if not 2 <= len(names) <= 200 or len(set(names)) != len(names):
+            raise ValueError(f"a cluster needs 2 to 200 distinct host names, not {list(names)}")
         self.root = Path(root)
         self.ssh = ssh
         tag = f"{os.getpid() % 100000}{int(time.time() * 1000) % 1000}"
         self.hosts = [Host(n, f"10.77.0.{i + 1}", f"dsnv{tag}{n}", self.root) for i, n in enumerate(names)]
+        self.switch = f"dsnv{tag}switch"
+        self.rate_mbit: float | None = None
         self._made_run_sshd = False
 
     # -- set-up -------------------------------------------------------------------------------------------------
@@ -132,17 +140,46 @@ class Cluster(Managed):
             self._sshd()
 
     def _network(self) -> None:
-        a, b = self.hosts
-        for h in self.hosts:
+        sw = ["ip", "-n", self.switch]
+        _sh(["ip", "netns", "add", self.switch])
+        _sh([*sw, "link", "add", "br0", "type", "bridge"])
+        _sh([*sw, "link", "set", "br0", "up"])
+        for i, h in enumerate(self.hosts):
             _sh(["ip", "netns", "add", h.netns])
-        _sh(["ip", "link", "add", "dsnvtmp0", "netns", a.netns, "type", "veth", "peer", "name", "dsnvtmp1",
-             "netns", b.netns])
-        for h, dev in ((a, "dsnvtmp0"), (b, "dsnvtmp1")):
+            _sh(["ip", "link", "add", IFACE, "netns", h.netns, "type", "veth", "peer", "name", f"port{i}",
+                 "netns", self.switch])
+            _sh([*sw, "link", "set", f"port{i}", "master", "br0"])
+            _sh([*sw, "link", "set", f"port{i}", "up"])
             ns = ["ip", "-n", h.netns]
-            _sh([*ns, "link", "set", dev, "name", IFACE])
             _sh([*ns, "addr", "add", f"{h.addr}/24", "dev", IFACE])
             _sh([*ns, "link", "set", IFACE, "up"])
             _sh([*ns, "link", "set", "lo", "up"])
+
+    def shape(self, rate_mbit: float | None) -> None:
+        """Limit every host's link to ``rate_mbit`` Mbit/s in each direction (``None``: unlimited again).
+
+        A token bucket on both ends of each host's veth pair. Its bucket holds 2 ms at the rate (at least 64 KiB):
+        smaller buckets cap the rate below the setting once a timer tick's worth of tokens exceeds them. Packets
+        wait up to 200 ms in its queue; TCP backs off beyond that.
+        """
+        burst_kbit = max(512, int(rate_mbit * 2)) if rate_mbit is not None else 0
+        for i, h in enumerate(self.hosts):
+            for netns, dev in ((h.netns, IFACE), (self.switch, f"port{i}")):
+                tc = ["ip", "netns", "exec", netns, "tc", "qdisc"]
+                _sh([*tc, "del", "dev", dev, "root"], check=False)
+                if rate_mbit is not None:
+                    _sh([*tc, "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit", "burst",
+                         f"{burst_kbit}kbit", "latency", "200ms"])
+        self.rate_mbit = rate_mbit
+
+    def qdiscs(self) -> list[str]:
+        """The root qdisc of every link end (``tc qdisc show``), hosts first, then the switch ports."""
+        out = []
+        for i, h in enumerate(self.hosts):
+            for netns, dev in ((h.netns, IFACE), (self.switch, f"port{i}")):
+                r = _sh(["ip", "netns", "exec", netns, "tc", "qdisc", "show", "dev", dev, "root"], check=False)
+                out.append(r.stdout.strip())
+        return out
 
     def _files(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -202,14 +239,15 @@ class Cluster(Managed):
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait(timeout=10)
             h.daemons.clear()
-        for h in self.hosts:
-            if not Path(f"/run/netns/{h.netns}").exists():
+        # deleting a namespace deletes its veth ends, their peers and qdiscs with them
+        for netns in [h.netns for h in self.hosts] + [self.switch]:
+            if not Path(f"/run/netns/{netns}").exists():
                 continue
-            pids = _sh(["ip", "netns", "pids", h.netns], check=False).stdout.split()
+            pids = _sh(["ip", "netns", "pids", netns], check=False).stdout.split()
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), signal.SIGKILL)
-            _sh(["ip", "netns", "del", h.netns], check=False)
+            _sh(["ip", "netns", "del", netns], check=False)
         if self._made_run_sshd:
             shutil.rmtree("/run/sshd", ignore_errors=True)
             self._made_run_sshd = False

@@ -101,6 +101,7 @@ def test_a_misspelt_precision_section_fails_validate(tmp_path: Path, key: str) -
 def test_deepspeed_own_checks_catch_deepspeed_errors(tmp_path: Path) -> None:
     d = json.loads((PRESETS[0].parent / "nvfp4_zero3.json").read_text())
     d["zero_optimization"]["stage"] = "three"
+    d["precision"].pop("communication")  # all_gather "nvfp4" would (rightly) need a numeric stage 3
     f = write(tmp_path, "ds.json", json.dumps(d))
     r = cli("validate", f)
     assert r.returncode == 1 and f"{f}: zero_optimization.stage:" in r.stderr and "DeepSpeed's own check" in r.stderr
@@ -135,3 +136,29 @@ def test_explain_invalid_is_exit_1(tmp_path: Path) -> None:
     f = write(tmp_path, "x.json", '{"precision": {"enabled": true}}')
     r = cli("explain", f)
     assert r.returncode == 1 and "bf16.enabled: true" in r.stderr
+
+
+def test_explain_and_env_state_the_bytes_per_step_of_the_model(tmp_path: Path) -> None:
+    """The 20M reference model (19,487,104 params; blocks 1-5 of 8 packed by the default preset: 12,042,240):
+    BF16 gathers 2 B/param, NVFP4 gathers 0.5039 B/param of the packed weights (16x16 blocks), reduce-scatter 2 B."""
+    nvfp4 = cli("explain", str(PRESETS[0].parent / "nvfp4_zero3.json"), "--model", "20m")
+    assert nvfp4.returncode == 0, nvfp4.stderr
+    # (12,042,240 x 0.50390625 + 7,444,864 x 2) = 21.0 MB per pass; reduce-scatter 19,487,104 x 2 = 39.0 MB
+    assert "all-gather 2 x 21.0 MB (nvfp4: 12.0M packed params as codes + scales, 7.4M BF16), reduce-scatter " \
+           "39.0 MB (bf16): 80.9 MB per step and rank, 48% of it reduce-scatter" in nvfp4.stdout, nvfp4.stdout
+    bf16 = cli("explain", str(PRESETS[0].parent / "bf16_zero3.json"), "--model", "20m")
+    assert "all-gather 2 x 39.0 MB (bf16: 19.5M params), reduce-scatter 39.0 MB" in bf16.stdout, bf16.stdout
+    zero2 = cli("explain", str(PRESETS[0].parent / "nvfp4_zero2.json"), "--model", "20m")
+    assert "ZeRO stage 2 all-reduces or reduce-scatters gradients only" in zero2.stdout
+    hf = tmp_path / "tiny-llama"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1000}))
+    r = cli("explain", str(PRESETS[0].parent / "nvfp4_zero3.json"), "--model", str(hf))
+    assert r.returncode == 0 and "llama from" in r.stdout and "nvfp4:" in r.stdout, r.stdout + r.stderr
+    env = cli("env", "--config", str(PRESETS[0].parent / "nvfp4_zero3.json"), "--model", "20m")
+    assert env.returncode == 0 and "traffic    ZeRO-3 per optimizer step and rank (reference GPT 20m" in env.stdout
+    bad = cli("explain", str(PRESETS[0].parent / "nvfp4_zero3.json"), "--model", "7b")
+    assert bad.returncode == 2 and "not a reference preset (1m, 5m" in bad.stderr
+    assert cli("env", "--model", "20m").returncode == 2

@@ -415,3 +415,22 @@ def test_lr_decay_switch_with_a_schedule_that_has_no_constant_stretch_says_there
         assert r["phases"] == ["fp4"] * 7 and r["schedule"]["first_late_step"] is None
         assert r["schedule"]["lr_decay"]["no_plateau_at"] == 3
     assert any("NO late BF16 switch" in w and "from step 3" in w for w in by_rank[0]["warnings"]), by_rank[0]
+
+
+def test_the_bytes_each_collective_moves_are_the_analytic_bytes():
+    """What ``ds-nvfp4 explain`` / the start-up line / docs/scaling.md say a step moves is what it moves: the
+    collectives of one real 2-rank step, counted by wrapping torch.distributed, against ds_nvfp4.zero.traffic (one
+    gather pass: DeepSpeed keeps this small model gathered from the forward to the backward)."""
+    r = run_ranks("traffic", count_collectives=True)[0]
+    for name, got in r.items():
+        if name in ("rank", "shm_segment", "finite"):
+            continue
+        a = got["analytic"]
+        assert got["counted"]["all_gather"]["bytes"] == a["gather_bytes_per_pass"], name
+        assert got["counted"]["reduce_scatter"]["bytes"] == a["reduce_scatter_bytes"], name
+    assert r["nvfp4_nvfp4_gather"]["analytic"]["packed_params"] > 0
+    bf16, packed = (r[n]["counted"]["all_gather"]["bytes"] for n in ("nvfp4_bf16_gather", "nvfp4_nvfp4_gather"))
+    assert bf16 == r["bf16"]["counted"]["all_gather"]["bytes"]      # BF16 gathers of packed storage: BF16's bytes
+    assert packed < 0.5 * bf16                                      # codes + scales instead of BF16
+    rs = {n: r[n]["counted"]["reduce_scatter"]["bytes"] for n in ("bf16", "nvfp4_fp32_rs")}
+    assert rs["nvfp4_fp32_rs"] == 2 * rs["bf16"]

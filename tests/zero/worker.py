@@ -395,6 +395,27 @@ def scenario_comm_dtype(rank: int, p: dict) -> dict:
     return out
 
 
+def scenario_traffic(rank: int, p: dict) -> dict:
+    """Per configuration: the payload each collective moved in one step (counted by wrapping torch.distributed)
+    and ds_nvfp4.zero.traffic's analytic bytes. With DeepSpeed's default live/prefetch limits this small model is
+    gathered whole once per step (one pass)."""
+    from bench import comm_count
+    from ds_nvfp4.zero.traffic import engine_traffic
+
+    out = {}
+    for name, over in {"bf16": {"preset": "bf16_zero3.json"}, "nvfp4_bf16_gather": {},
+                       "nvfp4_nvfp4_gather": {"precision.communication.all_gather": "nvfp4"},
+                       "nvfp4_fp32_rs": {"precision.communication.all_gather": "nvfp4",
+                                         "precision.communication.reduce_scatter": "fp32",
+                                         "communication_data_type": "fp32"}}.items():
+        engine = make_engine(config(**over))
+        train(engine, range(2), rank)
+        comm_count.reset()
+        train(engine, range(2, 3), rank)
+        out[name] = {"counted": comm_count.by_family(), "analytic": engine_traffic(engine).as_dict()}
+    return out
+
+
 def scenario_variants(rank: int, p: dict) -> dict:
     """Several configs in one launch (process start-up dominates on 2 cores): per variant, exactness before and
     after training, losses, storage report; with ``save``, the first variant is checkpointed (tag step3)."""
@@ -814,6 +835,10 @@ def scenario_reference_moe(rank: int, p: dict) -> dict:
 
 def main() -> None:
     name, out, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    if params.get("count_collectives"):
+        from bench import comm_count
+
+        comm_count.install()  # before DeepSpeed builds its backend, which captures the gather/scatter functions
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
