@@ -36,6 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ds_nvfp4.config import with_overrides  # noqa: E402
+
 CONFIGS: dict[str, tuple[str, dict]] = {
     "bf16": ("bf16_zero3.json", {}),
     "nvfp4_bf16_gather": ("nvfp4_zero3.json", {}),
@@ -59,13 +61,7 @@ def ds_config(name: str, micro: int) -> dict:
     # prefetch; DeepSpeed still keeps each gathered weight until the backward (its reuse distance, 1e9 elements,
     # spans this model), so every weight is gathered once per step: bench/gather_passes.py, docs/scaling.md
     cfg["zero_optimization"].update(stage3_max_live_parameters=LIVE, stage3_prefetch_bucket_size=LIVE)
-    for key, value in overrides.items():
-        node = cfg
-        *path, last = key.split(".")
-        for part in path:
-            node = node.setdefault(part, {})
-        node[last] = value
-    return cfg
+    return with_overrides(cfg, overrides)
 
 
 def nic_bytes(iface: str) -> tuple[int, int]:

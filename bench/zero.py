@@ -28,6 +28,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch import nn
 
     import ds_nvfp4
+    from ds_nvfp4.config import with_overrides
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
@@ -61,12 +62,7 @@ def worker(args: argparse.Namespace) -> None:
             return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 256).float(), idx[:, 1:].reshape(-1))
 
     cfg = json.loads((ROOT / "ds_configs" / args.preset).read_text())
-    for k, v in json.loads(args.override).items():
-        node = cfg
-        *path, last = k.split(".")
-        for part in path:
-            node = node.setdefault(part, {})
-        node[last] = v
+    with_overrides(cfg, json.loads(args.override))
     torch.manual_seed(0)
     model = GPT(args.d, args.layers)
     engine, opt, *_ = ds_nvfp4.initialize(model=model, model_parameters=model.parameters(), config=cfg)

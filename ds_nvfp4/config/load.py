@@ -86,3 +86,15 @@ def load_config(source: str | Path | dict, *, deepspeed_checks: bool = False) ->
     if errors or pc is None:
         raise ConfigError(errors, name)
     return ds, pc
+
+
+def with_overrides(ds: dict, overrides: dict[str, Any]) -> dict:
+    """``ds`` with dotted-key overrides set in place (``{"precision.communication.all_gather": "nvfp4"}``), missing
+    sections created; returns ``ds``. For scripts that derive one configuration from a preset."""
+    for key, value in overrides.items():
+        node = ds
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return ds

@@ -61,13 +61,9 @@ def config(**over) -> dict:
     cfg.get("precision", {}).pop("schedule", None)
     cfg["train_micro_batch_size_per_gpu"] = 2
     cfg["gradient_accumulation_steps"] = over.pop("gas", 1)
-    for k, v in over.items():
-        node = cfg
-        *path, last = k.split(".")
-        for p in path:
-            node = node.setdefault(p, {})
-        node[last] = v
-    return cfg
+    from ds_nvfp4.config import with_overrides
+
+    return with_overrides(cfg, over)
 
 
 def batch(step: int, rank: int, vocab: int = 128):
