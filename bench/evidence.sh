@@ -45,6 +45,8 @@ config_of() {
     late15) echo bench/configs/nvfp4_zero3_late15_2100.json ;;
     # the default preset with 4/6 block scaling of the weights (precision.weights.scaling "4over6", bound 256)
     four_over_six) echo bench/configs/nvfp4_zero3_4over6.json ;;
+    # the default preset without its BF16 warm-up, with the loss-spike guard at its defaults instead
+    spike_guard) echo bench/configs/nvfp4_zero3_spike_guard.json ;;
     # the default preset with FP4 off for the first 50 steps (the 10M fix)
     warmup50) echo bench/configs/nvfp4_zero3_bf16_warmup50.json ;;
     *) echo "ds_configs/${1%_seed*}.json" ;;

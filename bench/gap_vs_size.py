@@ -3,17 +3,34 @@
     python bench/gap_vs_size.py runs/evidence_{1m,5m,10m}/report_nvfp4_zero3 \
         --variant runs/evidence_10m/report_nvfp4_zero3_bf16_warmup50 \
         --out docs/results_gap_vs_size.png --json docs/results_gap_vs_size.json
+    python bench/gap_vs_size.py docs/evidence/{1m,5m,10m}/report_nvfp4_zero3 ...   # from the kept evidence
 
 Each argument is a report directory written by ``ds-nvfp4 compare --out DIR`` (its report.json names the two runs;
-the parameter count comes from the candidate run's summary.json). Prints one table row per report, writes the
-plot and, with ``--json``, the points (so the figure can be redrawn without the run directories).
+the parameter count comes from the candidate run's summary.json). A report kept by bench/keep_evidence.sh names
+``runs/...`` paths that no longer exist; its candidate is then the directory of the same name next to the report
+(docs/evidence/10m/report_X -> docs/evidence/10m/X), whose summary may be gzipped. Prints one table row per report,
+writes the plot and, with ``--json``, the points (so the figure can be redrawn without the run directories).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
+
+
+def _run_dir(named: str, report_dir: Path) -> Path:
+    """The run a report names, or, where that path is gone (kept evidence), its namesake beside the report."""
+    p = Path(named)
+    return p if p.is_dir() else report_dir.parent / p.name
+
+
+def _read_json(path: Path) -> dict:
+    """``path``, or ``path`` + ".gz" as bench/keep_evidence.sh keeps summaries."""
+    if path.exists():
+        return json.loads(path.read_text())
+    return json.loads(gzip.decompress((path.parent / (path.name + ".gz")).read_bytes()))
 
 
 def points(report_dirs: list[str]) -> list[dict]:
@@ -21,14 +38,19 @@ def points(report_dirs: list[str]) -> list[dict]:
     for d in report_dirs:
         rep = json.loads((Path(d) / "report.json").read_text())
         loss = next(c for c in rep["criteria"] if c["unit"] == "relative")
-        summary = json.loads((Path(rep["candidate"]) / "summary.json").read_text())
-        cfg = json.loads((Path(rep["candidate"]) / "config.json").read_text())
+        run = _run_dir(rep["candidate"], Path(d))
+        summary, cfg = _read_json(run / "summary.json"), _read_json(run / "config.json")
         out.append({"report": str(d), "params": summary["params"], "steps": summary["steps"],
                     "tokens": summary["steps"] * cfg["args"]["seq"] * cfg["ds_config"]["train_micro_batch_size_per_gpu"]
                     * cfg["world_size"] * cfg["ds_config"].get("gradient_accumulation_steps", 1),
                     "gap": loss["value"], "ci": loss["ci"], "verdict": loss["verdict"],
                     "candidate": rep["candidate"], "baseline": rep["baseline"]})
     return sorted(out, key=lambda p: p["params"])
+
+
+def _name(p: dict) -> str:
+    """A point's name: its report directory's, less the "report_" of `compare --out` (report_X compares run X)."""
+    return Path(p["report"]).name.removeprefix("report_")
 
 
 def _yerr(pts: list[dict]) -> list[list[float]]:
@@ -46,16 +68,19 @@ def plot(pts: list[dict], path: Path, threshold: float = 0.01, variants: list[di
     x = [p["params"] / 1e6 for p in pts]
     y = [100 * p["gap"] for p in pts]
     ax.errorbar(x, y, yerr=_yerr(pts), fmt="o-", capsize=5, color="tab:red",
-                label="NVFP4 default preset vs BF16, 95% CI")
+                label="default preset as shipped vs BF16 (seed 0), 95% CI")
     for xi, yi, p in zip(x, y, pts):
         ax.annotate(f"{p['gap']:+.2%} ({p['verdict']})", (xi, yi), textcoords="offset points", xytext=(6, 6),
                     fontsize=8)
-    for v in variants:  # other recipes at one size: a marker each, not joined to the default preset's line
-        ax.errorbar([v["params"] / 1e6], [100 * v["gap"]], yerr=_yerr([v]), fmt="s", capsize=5,
-                    color="tab:blue",
-                    label=f"{Path(v['candidate']).name} (other recipe), 95% CI")
-        ax.annotate(f"{v['gap']:+.2%} ({v['verdict']})", (v["params"] / 1e6, 100 * v["gap"]),
-                    textcoords="offset points", xytext=(-80, 6), fontsize=8, color="tab:blue")
+    colors = ["tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:olive"]
+    for i, v in enumerate(variants):  # other recipes or seeds at one size: a marker each, not joined to the line
+        c = colors[i % len(colors)]
+        # nudged sideways (x1.04 per variant, log axis) so variants at one size do not hide each other's bars
+        xv = v["params"] / 1e6 * 1.04 ** (i + 1)
+        ax.errorbar([xv], [100 * v["gap"]], yerr=_yerr([v]), fmt="s", capsize=4, color=c,
+                    label=f"{_name(v)}, 95% CI")
+        ax.annotate(f"{v['gap']:+.2%}", (xv, 100 * v["gap"]), textcoords="offset points", xytext=(6, -10),
+                    fontsize=7, color=c)
     ax.axhline(100 * threshold, color="gray", ls="--", label=f"acceptance threshold {threshold:.0%}")
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xscale("log")
@@ -85,7 +110,7 @@ def main() -> None:
     print("| candidate | parameters | steps | tokens | final gap | 95% CI | verdict |")
     print("|---|---|---|---|---|---|---|")
     for p in pts + variants:
-        print(f"| {Path(p['candidate']).name} | {p['params']:,} | {p['steps']:,} | {p['tokens']:,} | {p['gap']:+.3%} | "
+        print(f"| {_name(p)} | {p['params']:,} | {p['steps']:,} | {p['tokens']:,} | {p['gap']:+.3%} | "
               f"[{p['ci'][0]:+.3%}, {p['ci'][1]:+.3%}] | {p['verdict']} |")
     plot(pts, Path(args.out), variants=variants)
     if args.json:

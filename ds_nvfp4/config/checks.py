@@ -31,13 +31,22 @@ def _json_path(loc: tuple) -> str:
 
 def _model_at(loc: tuple) -> type[BaseModel] | None:
     """The pydantic model class that holds the field at ``loc`` (None when loc leaves the models)."""
-    model: type[BaseModel] = PrecisionConfig
+    model: type[BaseModel] | None = PrecisionConfig
     for name in loc[:-1]:
         field = model.model_fields.get(str(name))
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        model = _section_model(field.annotation) if field is not None else None
+        if model is None:
             return None
-        model = field.annotation
     return model
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model of a sub-section field: ``Model`` or ``Model | None`` (an optional section such as
+    ``schedule.spike_guard``), else None."""
+    for member in (annotation, *typing.get_args(annotation)):
+        if isinstance(member, type) and issubclass(member, BaseModel):
+            return member
+    return None
 
 
 def _allowed_values(loc: tuple) -> tuple[str, ...]:
@@ -122,8 +131,13 @@ def _pydantic_problem(err: dict) -> Problem:
         return Problem(path, f"expected a JSON integer, got {_show(got)}")
     if kind == "greater_than_equal":
         return Problem(path, f"must be >= {err['ctx']['ge']}, got {_show(got)}")
+    if kind == "greater_than":
+        return Problem(path, f"must be > {err['ctx']['gt']}, got {_show(got)}")
     if kind in ("model_type", "model_attributes_type", "dict_type"):
-        return Problem(path, f"expected a JSON object, got {_show(got)}")
+        holder = _model_at(loc)
+        field = holder.model_fields.get(str(loc[-1])) if holder is not None and loc else None
+        optional = field is not None and type(None) in typing.get_args(field.annotation)
+        return Problem(path, f"expected a JSON object{' or null' if optional else ''}, got {_show(got)}")
     if kind == "list_type":
         return Problem(path, f"expected a JSON list of strings, got {_show(got)}")
     if kind == "string_type":

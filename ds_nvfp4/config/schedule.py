@@ -15,16 +15,22 @@ Three phases (steps counted from 1, like DeepSpeed's ``global_steps`` after a st
   BF16 the weights do too (the paper's switch: BF16 GEMMs on BF16 weights, not on dequantized FP4 ones), so packed
   storage goes back to DeepSpeed's BF16 partitions.
 
-The phase depends on the step number only, so a run resumed from a checkpoint on either side of a switch takes the
-same phase at the same step as the uninterrupted run (``engine.load_checkpoint`` re-applies it).
+``spike_guard`` adds a fourth phase, ``guard``: after a step whose loss jumps (engine/spike_guard.py), the next
+``bf16_steps`` steps run like the warm-up (every converted layer BF16, BF16 weights) wherever the plan had FP4. The
+episodes found so far are saved with each checkpoint, so a resumed run repeats them.
+
+Apart from those episodes the phase depends on the step number only, so a run resumed from a checkpoint on either
+side of a switch takes the same phase at the same step as the uninterrupted run (``engine.load_checkpoint``
+re-applies it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .schema import PrecisionConfig
+from .schema import PrecisionConfig, SpikeGuardConfig
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,14 @@ class Phase:
         gemms = [g for g, on in (("Fprop", self.forward_fp4), ("Dgrad/Wgrad", self.backward_fp4)) if on]
         return f"{self.name}: " + (f"FP4 {' and '.join(gemms)}" if gemms else "every converted layer in BF16")
 
+    @property
+    def any_fp4(self) -> bool:
+        return self.forward_fp4 or self.backward_fp4
+
+
+#: a spike-guard episode: what the warm-up runs (every converted layer BF16, BF16 weights)
+GUARD = Phase("guard", False, False, False)
+
 
 @dataclass(frozen=True)
 class SchedulePlan:
@@ -50,16 +64,18 @@ class SchedulePlan:
     late_gemms: str            # "forward", "backward" or "all"
     recipe_backward_fp4: bool  # backward.gemm == "nvfp4"
     at_lr_decay: bool = False  # bf16_from "lr_decay": first_late_step is found at run time
+    guard: SpikeGuardConfig | None = None  # spike_guard: episodes found at run time
 
     @classmethod
     def from_config(cls, precision: PrecisionConfig, ds_config: dict) -> SchedulePlan:
         sc = precision.schedule
         return cls(sc.bf16_warmup_steps, first_late_bf16_step(ds_config, precision), sc.bf16_gemms,
-                   precision.backward.gemm == "nvfp4", at_lr_decay=sc.bf16_from == "lr_decay")
+                   precision.backward.gemm == "nvfp4", at_lr_decay=sc.bf16_from == "lr_decay", guard=sc.spike_guard)
 
     @property
     def active(self) -> bool:
-        return self.warmup_steps > 0 or self.first_late_step is not None or self.at_lr_decay
+        return (self.warmup_steps > 0 or self.first_late_step is not None or self.at_lr_decay
+                or self.guard is not None)
 
     def phase(self, step: int) -> Phase:
         """The phase of optimizer step ``step`` (from 1)."""
@@ -74,13 +90,15 @@ class SchedulePlan:
         bwd = self.recipe_backward_fp4 and self.late_gemms == "forward"
         return Phase("late", fwd, bwd, fwd)
 
-    def fp4_share(self, steps: int, fp4_weight_params: int, linear_weight_params: int) -> float:
+    def fp4_share(self, steps: int, fp4_weight_params: int, linear_weight_params: int,
+                  phase: Callable[[int], Phase] | None = None) -> float:
         """The fraction of all Linear GEMM FLOPs of ``steps`` optimizer steps that ran in FP4. A layer's three GEMMs
         (Fprop, Dgrad, Wgrad) each cost ~``2 tokens in out`` FLOPs, so the FP4 share weighs each GEMM kind by the
-        converted layers' weight elements against every Linear's (kept BF16 layers and the LM head included)."""
+        converted layers' weight elements against every Linear's (kept BF16 layers and the LM head included).
+        ``phase``: the phase of each step as it ran (spike-guard episodes included), default the plan's."""
         if steps <= 0 or linear_weight_params <= 0:
             return 0.0
-        phases = map(self.phase, range(1, steps + 1))
+        phases = map(phase or self.phase, range(1, steps + 1))
         fp4_gemms = sum(p.forward_fp4 + 2 * p.backward_fp4 for p in phases)
         return fp4_gemms * fp4_weight_params / (3 * steps * linear_weight_params)
 
@@ -97,6 +115,11 @@ class SchedulePlan:
             late = self.phase(self.first_late_step)
             out.append(f"steps {self.first_late_step} on: {late.describe()}"
                        + ("" if late.packed else " (BF16 weights)"))
+        if self.guard is not None:
+            g = self.guard
+            out.append(f"spike guard: after a step whose loss exceeds {g.loss_ratio:g}x the median of the previous "
+                       f"{g.window} steps, the next {g.bf16_steps} steps run every converted layer in BF16 (BF16 "
+                       f"weights), at most {g.max_episodes} times")
         return out
 
 

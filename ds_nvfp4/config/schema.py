@@ -107,6 +107,20 @@ class NonFiniteConfig(StrictModel):
     max_consecutive_skips: int = Field(8, ge=0, description="skip: more skipped steps in a row than this raise")
 
 
+class SpikeGuardConfig(StrictModel):
+    """The loss-spike guard (``precision.schedule.spike_guard``): a step whose loss jumps runs the next steps BF16."""
+
+    loss_ratio: float = Field(
+        1.5, gt=1.0, description="a step whose loss (mean over its micro-batches and all ranks) exceeds this multiple "
+                                 "of the median loss of the previous `window` steps starts an episode")
+    window: int = Field(10, ge=3, description="how many previous steps' losses the median is taken over; no "
+                                              "episode starts before that many steps are seen")
+    bf16_steps: int = Field(50, ge=1, description="optimizer steps each episode runs every converted layer in BF16 "
+                                                  "(BF16 GEMMs and BF16 weights), from the step after the spike")
+    max_episodes: int = Field(3, ge=1, description="at most this many episodes per run; a spike after them is "
+                                                   "reported and FP4 goes on")
+
+
 class ScheduleConfig(StrictModel):
     """When the FP4 GEMMs run (optimizer steps counted from 1, as DeepSpeed's ``global_steps`` after the step)."""
 
@@ -129,6 +143,9 @@ class ScheduleConfig(StrictModel):
     total_steps: int | None = Field(
         None, ge=1, description="the run's number of optimizer steps (needed when bf16_from is a fraction; null "
                                 "takes the DeepSpeed scheduler's params.total_num_steps)")
+    spike_guard: SpikeGuardConfig | None = Field(
+        None, description="the loss-spike guard: {} turns it on with its defaults (a loss above 1.5x the median of "
+                          "the last 10 steps runs the next 50 steps BF16, at most 3 times); null: off")
 
 
 class PrecisionConfig(StrictModel):

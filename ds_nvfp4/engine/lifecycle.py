@@ -3,7 +3,8 @@
 DeepSpeed offers no step hook, so :func:`install` gives the engine *instance* a mixin class (other engines in the
 process are untouched): its ``step`` (``train_batch`` for a ``PipelineEngine``), ``save_checkpoint`` and
 ``load_checkpoint`` run DeepSpeed's own and then call the features, always in the order of the list
-:func:`ds_nvfp4.engine.initialize` builds (docs/architecture.md):
+:func:`ds_nvfp4.engine.initialize` builds (docs/architecture.md); its ``backward`` keeps the loss for the step's
+:class:`StepOutcome` when a feature reads it (the spike guard), and otherwise only passes it on:
 
 1. ``weight_cache``   drops the layers' cached weight codes: the next forward must quantize the new weights;
 2. ``nonfinite``      reads DeepSpeed's skip of a step with NaN/Inf gradients; raises or counts (after 1, so a
@@ -35,10 +36,14 @@ log = logging.getLogger("ds_nvfp4")
 @dataclass(frozen=True)
 class StepOutcome:
     """One optimizer step DeepSpeed just took: its number (``global_steps`` after it, from 1) and whether it was
-    skipped (non-finite gradients: masters and optimizer state unchanged)."""
+    skipped (non-finite gradients: masters and optimizer state unchanged). With :attr:`Lifecycle.record_loss`:
+    the sum and count of this rank's losses of the step (those given to ``backward``; a ``PipelineEngine``: the
+    loss ``train_batch`` returned), else 0 and 0."""
 
     step: int
     skipped: bool
+    loss_sum: float = 0.0
+    loss_count: int = 0
 
 
 @dataclass
@@ -65,6 +70,8 @@ class Feature:
 
     #: shown in docs and errors ("weight_cache", "nonfinite", ...)
     name = "feature"
+    #: whether :meth:`after_step` reads the step's losses (``StepOutcome.loss_sum``): the lifecycle keeps them then
+    wants_loss = False
 
     def after_step(self, state: NVFP4State, outcome: StepOutcome) -> None:
         """An optimizer step was applied or skipped."""
@@ -86,6 +93,9 @@ class Lifecycle:
         self.engine = engine
         self.state = state
         self.features = list(features)
+        #: keep the losses given to ``backward`` for the step's outcome (only when a feature reads them)
+        self.record_loss = any(f.wants_loss for f in self.features)
+        self._losses: list = []
 
     @property
     def order(self) -> list[str]:
@@ -94,13 +104,26 @@ class Lifecycle:
     def feature(self, name: str) -> Feature:
         return next(f for f in self.features if f.name == name)
 
+    def note_loss(self, loss: Any) -> None:
+        """A loss given to ``engine.backward`` (kept detached, summed at the step: no sync per micro-batch)."""
+        if self.record_loss and hasattr(loss, "detach"):
+            self._losses.append(loss.detach().float().sum())
+
+    def _step_losses(self, out: Any) -> tuple[float, int]:
+        if not self.record_loss:
+            return 0.0, 0
+        losses, self._losses = self._losses, []
+        if not losses and hasattr(out, "detach"):  # PipelineEngine.train_batch: its loss, backward not called
+            losses = [out.detach().float().sum()]
+        return (float(sum(losses)), len(losses)) if losses else (0.0, 0)
+
     def run_step(self, step: Callable[[], Any]) -> Any:
         """Run DeepSpeed's step (``step`` or ``train_batch``); the features see each optimizer step it took."""
         e = self.engine
         steps, skipped = e.global_steps, e.skipped_steps
         out = step()
         if e.global_steps != steps:
-            outcome = StepOutcome(e.global_steps, e.skipped_steps != skipped)
+            outcome = StepOutcome(e.global_steps, e.skipped_steps != skipped, *self._step_losses(out))
             for f in self.features:
                 f.after_step(self.state, outcome)
         return out
@@ -133,6 +156,10 @@ class Lifecycle:
 
 class _EngineHooks:
     """Mixed into one DeepSpeedEngine instance by :func:`install` (signatures: DeepSpeed 0.19's)."""
+
+    def backward(self, loss, *args, **kwargs):
+        self.ds_nvfp4.lifecycle.note_loss(loss)
+        return super().backward(loss, *args, **kwargs)
 
     def step(self, *args, **kwargs):
         return self.ds_nvfp4.lifecycle.run_step(lambda: super(_EngineHooks, self).step(*args, **kwargs))

@@ -10,6 +10,10 @@ learning rate is below the one before, after at least :data:`MIN_STABLE_STEPS` s
 phase of a warmup-stable-decay schedule (HF ``get_wsd_schedule``, a LambdaLR, ...). A schedule that falls straight
 after its warm-up (cosine, linear) has no such step: the run says so once and makes no switch. What was found is
 saved in each checkpoint's ds_nvfp4.json, so a resumed run switches at the same step.
+
+``spike_guard``: :class:`~ds_nvfp4.engine.spike_guard.SpikeGuard` reads each step's loss (pooled over the ranks)
+and opens BF16 episodes (phase ``guard``); each one is announced on rank 0, written to the monitor
+(``Train/Precision/spike_guard_episodes``, ``Train/Precision/spike_guard_ratio``) and saved with each checkpoint.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ import os
 from dataclasses import dataclass, field, replace
 
 from ..checkpoint.metadata import FILE, CheckpointError, read_metadata
-from ..config.schedule import Phase, SchedulePlan
+from ..config.schedule import GUARD, Phase, SchedulePlan
 from .announce import announce
 from .lifecycle import Feature, LoadContext, StepOutcome
+from .spike_guard import Episode, SpikeGuard, mean_over_ranks
 from .state import NVFP4State
 
 log = logging.getLogger("ds_nvfp4")
@@ -77,12 +82,19 @@ class ScheduleState:
     current: Phase | None = None
     transitions: list[tuple[int, str]] = field(default_factory=list)
     lr_decay: LrDecay | None = None  # bf16_from "lr_decay" only
+    guard: SpikeGuard | None = None  # spike_guard only
+
+    def phase(self, step: int) -> Phase:
+        """The phase of optimizer step ``step``: the plan's, or a spike-guard episode's where the plan has FP4."""
+        planned = self.plan.phase(step)
+        return GUARD if self.guard is not None and planned.any_fp4 and self.guard.bf16_at(step) else planned
 
     def to_dict(self) -> dict:
         return {"warmup_steps": self.plan.warmup_steps, "first_late_step": self.plan.first_late_step,
                 "late_gemms": self.plan.late_gemms, "phase": self.current.name if self.current else None,
                 "transitions": [{"step": s, "phase": p} for s, p in self.transitions],
-                **({"lr_decay": self.lr_decay.to_dict()} if self.lr_decay is not None else {})}
+                **({"lr_decay": self.lr_decay.to_dict()} if self.lr_decay is not None else {}),
+                **({"spike_guard": self.guard.to_dict()} if self.guard is not None else {})}
 
 
 class Schedule(Feature):
@@ -91,7 +103,9 @@ class Schedule(Feature):
     def __init__(self, engine, state: NVFP4State, plan: SchedulePlan, layers: list) -> None:
         self.engine = engine
         self.layers = layers
-        self.state = ScheduleState(plan, lr_decay=LrDecay() if plan.at_lr_decay else None)
+        self.state = ScheduleState(plan, lr_decay=LrDecay() if plan.at_lr_decay else None,
+                                   guard=SpikeGuard(plan.guard) if plan.guard is not None else None)
+        self.wants_loss = plan.guard is not None
         if plan.active:
             state.conversion.notes.append("precision.schedule: " + "; ".join(plan.describe()))
 
@@ -110,7 +124,7 @@ class Schedule(Feature):
     def apply(self, state: NVFP4State, step: int) -> bool:
         """Put the layers (and the packed storage, when there is one) in the phase of optimizer step ``step``.
         Returns whether anything changed. Runs between steps: no parameter is gathered then."""
-        phase = self.state.plan.phase(step)
+        phase = self.state.phase(step)
         if phase == self.state.current:
             return False
         for m in self.layers:
@@ -132,12 +146,63 @@ class Schedule(Feature):
             self.engine.monitor.write_events([("Train/Precision/fp4_forward", float(ran.forward_fp4), outcome.step),
                                               ("Train/Precision/fp4_backward", float(ran.backward_fp4),
                                                outcome.step)])
+        if self.state.guard is not None:
+            self._watch_loss(state, outcome, ran)
         self._to_next_step(state)
 
     def after_load(self, state: NVFP4State, load: LoadContext) -> None:
+        meta = self._saved_schedule(os.path.join(load.load_dir, load.tag, FILE))
         if self.state.lr_decay is not None:
-            self._restore_lr_decay(os.path.join(load.load_dir, load.tag, FILE))
+            self._restore_lr_decay(meta, os.path.join(load.load_dir, load.tag, FILE))
+        if self.state.guard is not None:
+            self._restore_guard(meta, os.path.join(load.load_dir, load.tag, FILE))
         self._to_next_step(state)
+
+    def _watch_loss(self, state: NVFP4State, outcome: StepOutcome, ran: Phase) -> None:
+        """``spike_guard``: the step's loss, pooled over the ranks (every rank calls this: one all-reduce)."""
+        loss = mean_over_ranks(outcome.loss_sum, outcome.loss_count)
+        if loss is None:
+            if state.rank == 0 and outcome.step == 1:
+                log.warning("ds_nvfp4: precision.schedule.spike_guard sees no loss: engine.backward(loss) was not "
+                            "called through this engine, so the guard can open NO episode")
+            return
+        guard = self.state.guard
+        found = guard.observe(outcome.step, loss, ran_fp4=ran.any_fp4)
+        cfg = guard.config
+        if isinstance(found, Episode):
+            if state.rank == 0:
+                announce(f"ds_nvfp4: precision.schedule.spike_guard: step {found.detected_at} loss {found.loss:.4g} "
+                         f"is {found.ratio:.2f}x the median {found.median:.4g} of the previous {cfg.window} steps "
+                         f"(threshold {cfg.loss_ratio:g}x): steps {found.start}-{found.end} run every converted "
+                         f"layer in BF16 (episode {len(guard.episodes)} of at most {cfg.max_episodes})")
+            if self.engine.monitor.enabled:
+                self.engine.monitor.write_events([
+                    ("Train/Precision/spike_guard_episodes", float(len(guard.episodes)), outcome.step),
+                    ("Train/Precision/spike_guard_ratio", found.ratio, outcome.step)])
+        elif found is not None and state.rank == 0:
+            log.warning("ds_nvfp4: precision.schedule.spike_guard: step %d loss %.4g is above %gx the median of the "
+                        "previous %d steps, but all %d episodes (max_episodes) are spent: FP4 goes on",
+                        found, loss, cfg.loss_ratio, cfg.window, cfg.max_episodes)
+
+    @staticmethod
+    def _saved_schedule(path: str) -> dict | None:
+        """The schedule an earlier run saved in the checkpoint's ds_nvfp4.json, or None."""
+        try:
+            meta = read_metadata(path)
+        except CheckpointError:
+            return None
+        return meta.schedule or {}
+
+    def _restore_guard(self, saved: dict | None, path: str) -> None:
+        """The spike guard's episodes and loss history as saved, else start it afresh (said)."""
+        got = (saved or {}).get("spike_guard")
+        cfg = self.state.guard.config
+        if got is None:
+            log.warning("ds_nvfp4: %s holds no spike-guard state: the guard starts afresh from this step (no "
+                        "episodes, an empty loss history)", path)
+            self.state.guard = SpikeGuard(cfg)
+            return
+        self.state.guard = SpikeGuard.from_dict(cfg, got)
 
     def _watch_lr(self, state: NVFP4State, step: int) -> None:
         """``bf16_from: "lr_decay"``: feed the learning rate of step ``step``; fix the switch when decay starts."""
@@ -156,13 +221,9 @@ class Schedule(Feature):
                         "warmup-stable-decay one): this run makes NO late BF16 switch; give bf16_from as a step "
                         "number or a fraction of precision.schedule.total_steps instead", found.no_plateau_at)
 
-    def _restore_lr_decay(self, path: str) -> None:
+    def _restore_lr_decay(self, schedule: dict | None, path: str) -> None:
         """What an earlier run found about its decay (in the checkpoint's ds_nvfp4.json), else keep watching."""
-        try:
-            meta = read_metadata(path)
-        except CheckpointError:
-            meta = None
-        saved = (meta.schedule or {}).get("lr_decay") if meta is not None else None
+        saved = (schedule or {}).get("lr_decay")
         if saved is None:
             log.warning("ds_nvfp4: %s holds no learning-rate history for bf16_from \"lr_decay\": the decay is "
                         "looked for again from this step on", path)

@@ -50,7 +50,9 @@ class NVFP4State:
         return self.lifecycle.feature("nonfinite").skipped
 
     def fp4_gemm_share(self, steps: int) -> float:
-        """Fraction of the GEMM FLOPs of optimizer steps 1..``steps`` that run in FP4 (schedule included)."""
+        """Fraction of the GEMM FLOPs of optimizer steps 1..``steps`` that run in FP4 (schedule and spike-guard
+        episodes so far included)."""
         layers = self.conversion.layers
-        return self.schedule.plan.fp4_share(steps, sum(d.params for d in layers if d.fp4),
-                                            sum(d.params for d in layers))
+        sched = self.schedule
+        return sched.plan.fp4_share(steps, sum(d.params for d in layers if d.fp4), sum(d.params for d in layers),
+                                    phase=sched.phase)

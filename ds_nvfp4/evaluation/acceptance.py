@@ -160,6 +160,13 @@ def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01,
         moves = ", ".join(f"{t['phase']} from step {t['step']}" for t in sched.get("transitions", [])[1:])
         rep.notes.append(f"candidate: {sb['fp4_gemm_share']:.1%} of the Linear GEMM FLOPs ran in FP4"
                          + (f" (precision.schedule: {moves})" if moves else ""))
+        guard = sched.get("spike_guard")
+        if guard is not None:
+            eps = "; ".join(f"step {e['detected_at']} loss {e['loss']:.4g} = {e['loss'] / e['median']:.2f}x the "
+                            f"median: steps {e['start']}-{e['end']} BF16" for e in guard["episodes"])
+            late = f"; spikes past the budget at steps {guard['ignored']}" if guard["ignored"] else ""
+            rep.notes.append(f"candidate: spike guard: {len(guard['episodes'])} episode(s)"
+                             + (f" ({eps})" if eps else "") + late)
     if last < 1000:
         rep.notes.append("short run: early in training BF16 and NVFP4 curves coincide per step, so a small gap here "
                          "says little about late-training gaps; judge long runs (30M-100M models) on GPUs")

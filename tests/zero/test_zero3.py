@@ -341,6 +341,8 @@ def test_pipeline_engine_gets_fp4_layers_and_every_feature(tmp_path) -> None:
         assert r["losses_cache1"] == r["losses_cache0"] and all(math.isfinite(v) for v in r["losses_cache1"])
         assert r["phases"] == ["warmup", "fp4", "fp4", "fp4"]
         assert r["resumed_losses"] == r["schedule_losses"][2:], (r["resumed_losses"], r["schedule_losses"])
+        # the spike guard saw train_batch's loss of each step (identical on both stages), and no spike
+        assert r["guard"]["history"] == r["schedule_losses"] and r["guard"]["episodes"] == [], r["guard"]
         assert r["error"] is not None and r["raised_at"] == 3, r.get("error")
         notes = " ".join(r["conversion"]["notes"])
         assert f"pipeline stage {r['rank']} of 2" in notes
@@ -415,6 +417,33 @@ def test_lr_decay_switch_with_a_schedule_that_has_no_constant_stretch_says_there
         assert r["phases"] == ["fp4"] * 7 and r["schedule"]["first_late_step"] is None
         assert r["schedule"]["lr_decay"]["no_plateau_at"] == 3
     assert any("NO late BF16 switch" in w and "from step 3" in w for w in by_rank[0]["warnings"]), by_rank[0]
+
+
+def test_spike_guard_runs_bf16_after_a_pooled_loss_spike_on_every_rank_and_resumes(tmp_path) -> None:
+    """``schedule.spike_guard``: a spike on one rank only (rank 1's loss x8 at step 6) opens the same BF16 episode
+    on both ranks (the loss is pooled), steps 7-8 run BF16 with BF16 weights and step 9 FP4 on packed weights
+    again; the second spike (step 9) finds the one episode spent and is reported; a run resumed inside the episode
+    repeats it; the monitor records the episode."""
+    res = run_ranks("spike_guard", spikes=[6, 9], dir=str(tmp_path / "ckpt"),
+                    config={"csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "job"}})
+    for r in res:
+        assert r["phases"] == ["fp4"] * 6 + ["guard"] * 2 + ["fp4"], r["phases"]  # steps 1..9
+        assert [n > 0 for n in r["packed"]] == [True] * 6 + [False] * 2 + [True]
+        assert r["bf16_only"] == [False] * 6 + [True] * 2 + [False]
+        eps = r["schedule"]["spike_guard"]["episodes"]
+        assert [(e["detected_at"], e["start"], e["end"]) for e in eps] == [(6, 7, 8)], eps
+        assert r["schedule"]["spike_guard"]["ignored"] == [9]
+        assert [t["phase"] for t in r["schedule"]["transitions"]] == ["fp4", "guard", "fp4"]
+        assert r["share"] == pytest.approx(r["share_planned"] * 7 / 9)  # 2 of 9 steps ran BF16
+        assert r["resumed"] == {"phases": r["phases"][7:], "losses": r["losses"][7:]}, r["resumed"]
+        assert any("spike guard" in n for n in r["notes"]), r["notes"]
+    by_rank = {r["rank"]: r for r in res}
+    assert any("step 9" in w and "episodes (max_episodes) are spent" in w for w in by_rank[0]["warnings"]), \
+        by_rank[0]["warnings"]
+    rows = (tmp_path / "job" / "Train_Precision_spike_guard_episodes.csv").read_text().splitlines()[1:]
+    assert [tuple(map(float, row.split(","))) for row in rows] == [(6.0, 1.0)]
+    fwd = [ln.split(",") for ln in (tmp_path / "job" / "Train_Precision_fp4_forward.csv").read_text().splitlines()[1:]]
+    assert [float(v) for _, v in fwd] == [1.0] * 6 + [0.0] * 2 + [1.0]
 
 
 def test_the_bytes_each_collective_moves_are_the_analytic_bytes():

@@ -594,6 +594,57 @@ def scenario_lr_decay(rank: int, p: dict) -> dict:
     return out
 
 
+def scenario_spike_guard(rank: int, p: dict) -> dict:
+    """``schedule.spike_guard`` (window 3, ratio 1.5, 2 BF16 steps, 1 episode) on 9 steps of packed ZeRO-3. Rank 1
+    alone multiplies its loss by 8 at steps 6 and 9 (``p["spikes"]``), so only the pooled loss makes rank 0 see the
+    spike: steps 7-8 must run BF16 on both ranks, the spike at step 9 finds the budget spent. A fresh engine resumed
+    from the checkpoint at step 7 (inside the episode) must repeat the phases and losses of steps 8-9."""
+    import logging
+
+    import ds_nvfp4
+
+    guard = {"window": 3, "loss_ratio": 1.5, "bf16_steps": 2, "max_episodes": 1}
+    cfg = config(**{"precision.schedule": {"spike_guard": guard}, **p.get("config", {})})
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("ds_nvfp4").addHandler(Keep(level=logging.WARNING))
+
+    def run(engine, steps: range) -> tuple[list[str], list[float], list, list[bool]]:
+        phases, losses, packed, bf16_only = [], [], [], []
+        for step in steps:
+            phases.append(engine.ds_nvfp4.schedule.current.name)
+            packed.append(ds_nvfp4.storage_report(engine).packed_params)
+            bf16_only.append(engine.module.blocks[1].fc1.bf16_only)
+            loss = engine(*batch(step, rank))
+            if rank == 1 and step + 1 in p["spikes"]:
+                loss = loss * 8.0
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+            if step + 1 == 7:
+                engine.save_checkpoint(p["dir"], tag="step7")
+        return phases, losses, packed, bf16_only
+
+    e1 = make_engine(copy.deepcopy(cfg))
+    phases, losses, packed, bf16_only = run(e1, range(9))
+    out = {"phases": phases, "losses": losses, "packed": packed, "bf16_only": bf16_only, "warnings": warnings,
+           "schedule": e1.ds_nvfp4.schedule.to_dict(), "share": e1.ds_nvfp4.fp4_gemm_share(9),
+           "share_planned": e1.ds_nvfp4.schedule.plan.fp4_share(
+               9, sum(d.params for d in e1.ds_nvfp4.conversion.layers if d.fp4),
+               sum(d.params for d in e1.ds_nvfp4.conversion.layers)),
+           "notes": e1.ds_nvfp4.conversion.notes}
+    cfg.pop("csv_monitor", None)  # the monitor's rows are those of the uninterrupted run
+    e2 = make_engine(copy.deepcopy(cfg), seed=123)
+    e2.load_checkpoint(p["dir"], tag="step7")
+    got_phases, got_losses, _, _ = run(e2, range(7, 9))
+    out["resumed"] = {"phases": got_phases, "losses": got_losses}
+    return out
+
+
 def _unmanaged_engine(p: dict, cache: str, **over):
     os.environ["DS_NVFP4_WEIGHT_CACHE"] = cache
     cfg = config(preset=p["preset"], gas=2, managed_gradient_accumulation=False, **over)
@@ -712,7 +763,9 @@ def scenario_pipeline(rank: int, p: dict) -> dict:
     out["conversion"] = engine.ds_nvfp4.conversion.to_dict()
     out["fp4_layers"] = sorted(n for n, m in engine.module.named_modules() if isinstance(m, NVFP4Linear))
     out["type"] = type(engine).__name__
-    engine = _pipeline_engine(p, "1", **{"precision.schedule": {"bf16_warmup_steps": 1}})
+    # the spike guard reads train_batch's loss (a PipelineEngine's backward is internal): its history is that loss
+    sched = {"bf16_warmup_steps": 1, "spike_guard": {}}
+    engine = _pipeline_engine(p, "1", **{"precision.schedule": sched})
     data = _pipe_data()
     phases, losses = [], []
     for step in range(4):
@@ -721,7 +774,8 @@ def scenario_pipeline(rank: int, p: dict) -> dict:
         if step == 1:
             engine.save_checkpoint(p["dir"], tag="step2")
     out["phases"], out["schedule_losses"] = phases, losses
-    resumed = _pipeline_engine(p, "1", **{"precision.schedule": {"bf16_warmup_steps": 1}})
+    out["guard"] = engine.ds_nvfp4.schedule.to_dict()["spike_guard"]
+    resumed = _pipeline_engine(p, "1", **{"precision.schedule": sched})
     resumed.load_checkpoint(p["dir"], tag="step2")
     data = _pipe_data()
     for _ in range(2):  # the batches of steps 1-2, consumed
