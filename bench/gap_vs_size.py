@@ -3,6 +3,7 @@
     python bench/gap_vs_size.py runs/evidence_{1m,5m,10m}/report_nvfp4_zero3 \
         --variant runs/evidence_10m/report_nvfp4_zero3_bf16_warmup50 \
         --out docs/results_gap_vs_size.png --json docs/results_gap_vs_size.json
+    # a series: --variant docs/evidence/1m/report_X="recipe X" --variant docs/evidence/5m/report_X="recipe X"
     python bench/gap_vs_size.py docs/evidence/{1m,5m,10m}/report_nvfp4_zero3 ...   # from the kept evidence
 
 Each argument is a report directory written by ``ds-nvfp4 compare --out DIR`` (its report.json names the two runs;
@@ -34,8 +35,10 @@ def _read_json(path: Path) -> dict:
 
 
 def points(report_dirs: list[str]) -> list[dict]:
+    """One point per ``DIR`` or ``DIR=LABEL`` (the label names a series: points with one label are joined)."""
     out = []
-    for d in report_dirs:
+    for arg in report_dirs:
+        d, _, label = arg.partition("=")
         rep = json.loads((Path(d) / "report.json").read_text())
         loss = next(c for c in rep["criteria"] if c["unit"] == "relative")
         run = _run_dir(rep["candidate"], Path(d))
@@ -44,7 +47,7 @@ def points(report_dirs: list[str]) -> list[dict]:
                     "tokens": summary["steps"] * cfg["args"]["seq"] * cfg["ds_config"]["train_micro_batch_size_per_gpu"]
                     * cfg["world_size"] * cfg["ds_config"].get("gradient_accumulation_steps", 1),
                     "gap": loss["value"], "ci": loss["ci"], "verdict": loss["verdict"],
-                    "candidate": rep["candidate"], "baseline": rep["baseline"]})
+                    "candidate": rep["candidate"], "baseline": rep["baseline"], "label": label or None})
     return sorted(out, key=lambda p: p["params"])
 
 
@@ -73,14 +76,18 @@ def plot(pts: list[dict], path: Path, threshold: float = 0.01, variants: list[di
         ax.annotate(f"{p['gap']:+.2%} ({p['verdict']})", (xi, yi), textcoords="offset points", xytext=(6, 6),
                     fontsize=8)
     colors = ["tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:olive"]
-    for i, v in enumerate(variants):  # other recipes or seeds at one size: a marker each, not joined to the line
+    series: dict[str, list[dict]] = {}
+    for v in variants:  # other recipes or seeds: one series per label (joined), else one marker per report
+        series.setdefault(v["label"] or _name(v), []).append(v)
+    for i, (label, vs) in enumerate(series.items()):
         c = colors[i % len(colors)]
-        # nudged sideways (x1.04 per variant, log axis) so variants at one size do not hide each other's bars
-        xv = v["params"] / 1e6 * 1.04 ** (i + 1)
-        ax.errorbar([xv], [100 * v["gap"]], yerr=_yerr([v]), fmt="s", capsize=4, color=c,
-                    label=f"{_name(v)}, 95% CI")
-        ax.annotate(f"{v['gap']:+.2%}", (xv, 100 * v["gap"]), textcoords="offset points", xytext=(6, -10),
-                    fontsize=7, color=c)
+        # nudged sideways (x1.04 per series, log axis) so points at one size do not hide each other's bars
+        xv = [v["params"] / 1e6 * 1.04 ** (i + 1) for v in vs]
+        yv = [100 * v["gap"] for v in vs]
+        ax.errorbar(xv, yv, yerr=_yerr(vs), fmt="s--" if len(vs) > 1 else "s", capsize=4, color=c, alpha=0.8,
+                    label=f"{label}, 95% CI")
+        for x, y, v in zip(xv, yv, vs):
+            ax.annotate(f"{v['gap']:+.2%}", (x, y), textcoords="offset points", xytext=(6, -10), fontsize=7, color=c)
     ax.axhline(100 * threshold, color="gray", ls="--", label=f"acceptance threshold {threshold:.0%}")
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xscale("log")
@@ -101,8 +108,9 @@ def plot(pts: list[dict], path: Path, threshold: float = 0.01, variants: list[di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("reports", nargs="+", help="report directories of `ds-nvfp4 compare --out`")
-    ap.add_argument("--variant", action="append", default=[],
-                    help="a report of another recipe (e.g. a diagnostic run), drawn as a separate marker")
+    ap.add_argument("--variant", action="append", default=[], metavar="DIR[=LABEL]",
+                    help="a report of another recipe or seed, drawn apart from the default preset's line; reports "
+                         "with one LABEL form one series")
     ap.add_argument("--out", default="gap_vs_size.png")
     ap.add_argument("--json", help="also write the points here")
     args = ap.parse_args()
