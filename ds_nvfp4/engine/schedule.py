@@ -151,11 +151,13 @@ class Schedule(Feature):
         self._to_next_step(state)
 
     def after_load(self, state: NVFP4State, load: LoadContext) -> None:
-        meta = self._saved_schedule(os.path.join(load.load_dir, load.tag, FILE))
-        if self.state.lr_decay is not None:
-            self._restore_lr_decay(meta, os.path.join(load.load_dir, load.tag, FILE))
-        if self.state.guard is not None:
-            self._restore_guard(meta, os.path.join(load.load_dir, load.tag, FILE))
+        if self.state.lr_decay is not None or self.state.guard is not None:
+            path = os.path.join(load.load_dir, load.tag, FILE)
+            meta = self._saved_schedule(path)
+            if self.state.lr_decay is not None:
+                self._restore_lr_decay(meta, path)
+            if self.state.guard is not None:
+                self._restore_guard(meta, path)
         self._to_next_step(state)
 
     def _watch_loss(self, state: NVFP4State, outcome: StepOutcome, ran: Phase) -> None:

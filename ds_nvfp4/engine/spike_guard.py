@@ -15,6 +15,7 @@ numbers, so every rank opens the same episodes (:func:`mean_over_ranks`).
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -54,8 +55,9 @@ class SpikeGuard:
     def observe(self, step: int, loss: float, ran_fp4: bool) -> Episode | int | None:
         """The loss of optimizer step ``step``. Returns the new :class:`Episode`, or ``step`` itself for a spike
         past ``max_episodes`` (reported, no episode), or None. Only steps that ran an FP4 GEMM can open an episode
-        (a spike in BF16 is not the format's); a spike's loss stays out of the history the median is taken over."""
-        if step <= self.last_step:
+        (a spike in BF16 is not the format's); a spike's loss stays out of the history the median is taken over, and
+        so does a non-finite loss (a step DeepSpeed skipped: the ``nonfinite`` feature reports it)."""
+        if step <= self.last_step or not math.isfinite(loss):
             return None
         self.last_step = step
         cfg = self.config

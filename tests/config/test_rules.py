@@ -117,6 +117,8 @@ def test_spike_guard_opens_bounded_episodes_on_fp4_loss_spikes_only() -> None:
     seen = [g.observe(s, v, ran_fp4=True) for s, v in enumerate([9.0, 4.0, 4.2, 4.0], 1)]
     assert seen == [None] * 4  # 9.0 at step 1: no history yet (an early loss is not a spike)
     assert g.observe(5, 8.0, ran_fp4=False) is None  # a BF16 step's spike is not the format's
+    skipped = SpikeGuard(g.config, history=[4.0, 4.0, 4.0])
+    assert skipped.observe(5, float("nan"), ran_fp4=True) is None and skipped.history == [4.0] * 3  # NaN: skipped
     ep = g.observe(6, 8.0, ran_fp4=True)  # median of (4.2, 4.0, 8.0) = 4.2: 8.0 > 6.3
     assert (ep.detected_at, ep.start, ep.end, ep.median) == (6, 7, 8, 4.2)
     assert [g.bf16_at(s) for s in (6, 7, 8, 9)] == [False, True, True, False]
