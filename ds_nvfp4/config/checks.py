@@ -49,9 +49,14 @@ def _section_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _allowed_values(loc: tuple) -> tuple[str, ...]:
+def _field_at(loc: tuple) -> Any:
+    """The pydantic FieldInfo at ``loc``, or None."""
     model = _model_at(loc)
-    field = model.model_fields.get(str(loc[-1])) if model and loc else None
+    return model.model_fields.get(str(loc[-1])) if model is not None and loc else None
+
+
+def _allowed_values(loc: tuple) -> tuple[str, ...]:
+    field = _field_at(loc)
     if field is None:
         return ()
     values: list[str] = []
@@ -134,8 +139,7 @@ def _pydantic_problem(err: dict) -> Problem:
     if kind == "greater_than":
         return Problem(path, f"must be > {err['ctx']['gt']}, got {_show(got)}")
     if kind in ("model_type", "model_attributes_type", "dict_type"):
-        holder = _model_at(loc)
-        field = holder.model_fields.get(str(loc[-1])) if holder is not None and loc else None
+        field = _field_at(loc)
         optional = field is not None and type(None) in typing.get_args(field.annotation)
         return Problem(path, f"expected a JSON object{' or null' if optional else ''}, got {_show(got)}")
     if kind == "list_type":

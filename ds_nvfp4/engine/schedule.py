@@ -106,6 +106,7 @@ class Schedule(Feature):
         self.state = ScheduleState(plan, lr_decay=LrDecay() if plan.at_lr_decay else None,
                                    guard=SpikeGuard(plan.guard) if plan.guard is not None else None)
         self.wants_loss = plan.guard is not None
+        self._said_no_loss = False
         if plan.active:
             state.conversion.notes.append("precision.schedule: " + "; ".join(plan.describe()))
 
@@ -164,7 +165,8 @@ class Schedule(Feature):
         """``spike_guard``: the step's loss, pooled over the ranks (every rank calls this: one all-reduce)."""
         loss = mean_over_ranks(outcome.loss_sum, outcome.loss_count)
         if loss is None:
-            if state.rank == 0 and outcome.step == 1:
+            if state.rank == 0 and not self._said_no_loss:  # once per engine, also in a resumed run
+                self._said_no_loss = True
                 log.warning("ds_nvfp4: precision.schedule.spike_guard sees no loss: engine.backward(loss) was not "
                             "called through this engine, so the guard can open NO episode")
             return

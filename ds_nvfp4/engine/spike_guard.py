@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..config.schema import SpikeGuardConfig
 
@@ -75,8 +75,7 @@ class SpikeGuard:
 
     def to_dict(self) -> dict:
         return {"history": list(self.history), "last_step": self.last_step, "ignored": list(self.ignored),
-                "episodes": [{"detected_at": e.detected_at, "loss": e.loss, "median": e.median, "start": e.start,
-                              "end": e.end} for e in self.episodes]}
+                "episodes": [asdict(e) for e in self.episodes]}
 
     @classmethod
     def from_dict(cls, config: SpikeGuardConfig, saved: dict) -> SpikeGuard:
