@@ -43,11 +43,13 @@ config_of() {
     paper_no_warmup) echo bench/configs/nvfp4_full_zero3_no_warmup.json ;;
     # the default preset with the late switch: forward GEMMs BF16 for the last 15% (written for 2,100 steps)
     late15) echo bench/configs/nvfp4_zero3_late15_2100.json ;;
-    # the default preset with 4/6 block scaling of the weights (precision.weights.scaling "4over6", bound 256)
+    # the default preset with 4/6 block scaling of the weights (precision.weights.scaling "4over6", bound 256); the
+    # 5M run was made with the preset before the guard (BF16 warm-up: its config.json in docs/evidence/5m)
     four_over_six) echo bench/configs/nvfp4_zero3_4over6.json ;;
-    # the default preset without its BF16 warm-up, with the loss-spike guard at its defaults instead
+    # the loss-spike guard in place of the BF16 warm-up: since issue 23 the default preset itself (the same file's
+    # contents), kept under this name so the runs made before the switch resolve
     spike_guard) echo bench/configs/nvfp4_zero3_spike_guard.json ;;
-    # the default preset with FP4 off for the first 50 steps (the 10M fix)
+    # the default preset before the switch to the guard: FP4 off for the first 50 steps (the 10M fix)
     warmup50) echo bench/configs/nvfp4_zero3_bf16_warmup50.json ;;
     *) echo "ds_configs/${1%_seed*}.json" ;;
   esac
@@ -59,11 +61,13 @@ for name in $RUNS; do
   [ -f "$OUT/$name/summary.json" ] && { echo "== $name: done already ($OUT/$name)"; continue; }
   case $name in *late15) [ "$STEPS" = 2100 ] || { echo "== $name: needs STEPS=2100, skipped"; continue; } ;; esac
   port=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  # a resumed run's time below is this part's only
+  part=""; [ -d "$OUT/$name/ckpt" ] && part=" (resumed from its newest checkpoint: this part only)"
   start=$(date +%s)
   "$BIN/deepspeed" --num_gpus 2 --master_port "$port" launch/train.py --deepspeed_config "$(config_of "$name")" \
     --model "$MODEL" --steps "$STEPS" --eval-interval "$EVAL" --eval-batches 32 --ckpt-interval "$CKPT" --keep-ckpts 2 \
     --resume --seed "$(seed_of "$name")" --out "$OUT/$name" >> "$OUT/$name.log" 2>&1
-  echo "$name $(( $(date +%s) - start )) s" | tee -a "$OUT/wall_times.txt"
+  echo "$name $(( $(date +%s) - start )) s$part" | tee -a "$OUT/wall_times.txt"
 done
 export OMP_NUM_THREADS=${EVAL_THREADS:-2}  # one process: use both cores
 for name in $PROBE_RUNS; do
@@ -82,9 +86,12 @@ if [ "$FINETUNE_STEPS" -gt 0 ]; then
 fi
 for name in $RUNS; do
   [ "$name" = bf16 ] || [ ! -f "$OUT/$name/summary.json" ] && continue
-  # a NAME_seedN run is judged against the NAME run (seed 0): the same recipe twice, the noise floor
+  # bf16_seedN is judged against bf16 (seed 0): the same recipe twice, the noise floor; any other NAME_seedN
+  # against bf16_seedN, the BF16 run of its own seed
   case $name in
-    *_seed*) "$BIN/python" -m ds_nvfp4 compare "$OUT/${name%_seed*}" "$OUT/$name" --seeds-may-differ \
+    bf16_seed*) "$BIN/python" -m ds_nvfp4 compare "$OUT/bf16" "$OUT/$name" --seeds-may-differ \
+                  --out "$OUT/report_$name" || true ;;
+    *_seed*) "$BIN/python" -m ds_nvfp4 compare "$OUT/bf16_seed$(seed_of "$name")" "$OUT/$name" \
                --out "$OUT/report_$name" || true ;;
     *) "$BIN/python" -m ds_nvfp4 compare "$OUT/bf16" "$OUT/$name" --out "$OUT/report_$name" || true ;;
   esac

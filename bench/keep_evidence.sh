@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Copy what docs/results.md cites from an evidence directory (runs/ is not committed) into docs/evidence/NAME:
 # per run config.json, probe.json / finetune.json when present and metrics.jsonl and summary.json (gzipped); per
-# comparison report.md, report.json and report.png; wall_times.txt. Checkpoints stay in runs/.
+# comparison report.md, report.json and report.png; the lines of wall_times.txt for runs not kept yet. Checkpoints
+# stay in runs/.
 #   bash bench/keep_evidence.sh runs/evidence_5m 5m
 set -euo pipefail
 src=$1; dest=docs/evidence/$2
@@ -22,5 +23,12 @@ for run in "$src"/*/; do
     for f in report.md report.json; do sed -E 's#(["`])/[^"`]*/(runs|launch|data)/#\1\2/#g' "$run/$f" > "$dest/$name/$f"; done
   fi
 done
-[ -f "$src/wall_times.txt" ] && cp "$src/wall_times.txt" "$dest/"
+if [ -f "$src/wall_times.txt" ]; then
+  # only runs not listed yet are appended: the notes written by hand on kept lines (what shared the machine, the
+  # parts of a resumed run) stay
+  touch "$dest/wall_times.txt"
+  while read -r name rest; do
+    grep -q "^$name " "$dest/wall_times.txt" || echo "$name $rest" >> "$dest/wall_times.txt"
+  done < "$src/wall_times.txt"
+fi
 du -sh "$dest"

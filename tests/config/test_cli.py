@@ -116,6 +116,10 @@ def test_schema_is_json_schema() -> None:
 
 
 @pytest.mark.parametrize("preset, needle", [("nvfp4_zero3.json", "Dgrad and Wgrad in BF16"),
+                                            ("nvfp4_zero3.json", "steps 1 on: fp4: FP4 Fprop; spike guard: after a "
+                                                                 "step whose loss exceeds 1.5x the median"),
+                                            ("nvfp4_zero2.json", "spike guard: after a step"),
+                                            ("nvfp4_zero3_offload.json", "spike guard: after a step"),
                                             ("nvfp4_full_zero3.json", "Fprop, Dgrad and Wgrad"),
                                             ("nvfp4_full_zero3.json", "steps 1-50: every converted layer in BF16 "
                                                                       "(BF16 weights); steps 51 on: fp4"),

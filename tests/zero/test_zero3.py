@@ -419,16 +419,22 @@ def test_lr_decay_switch_with_a_schedule_that_has_no_constant_stretch_says_there
     assert any("NO late BF16 switch" in w and "from step 3" in w for w in by_rank[0]["warnings"]), by_rank[0]
 
 
-def test_spike_guard_runs_bf16_after_a_pooled_loss_spike_on_every_rank_and_resumes(tmp_path) -> None:
+@pytest.mark.parametrize("preset", [None, pytest.param("nvfp4_zero2.json", marks=pytest.mark.slow),
+                                    pytest.param("nvfp4_zero3_offload.json", marks=pytest.mark.slow)],
+                         ids=["zero3", "zero2", "zero3_offload"])
+def test_spike_guard_runs_bf16_after_a_pooled_loss_spike_on_every_rank_and_resumes(tmp_path, preset) -> None:
     """``schedule.spike_guard``: a spike on one rank only (rank 1's loss x8 at step 6) opens the same BF16 episode
     on both ranks (the loss is pooled), steps 7-8 run BF16 with BF16 weights and step 9 FP4 on packed weights
     again; the second spike (step 9) finds the one episode spent and is reported; a run resumed inside the episode
-    repeats it; the monitor records the episode."""
+    repeats it; the monitor records the episode. The same under the other presets that ship the guard: ZeRO-2
+    (BF16 storage: nothing is packed, the FP4 GEMMs quantize on the fly) and the offloaded optimizer."""
+    config = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "job"}}
     res = run_ranks("spike_guard", spikes=[6, 9], dir=str(tmp_path / "ckpt"),
-                    config={"csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "job"}})
+                    config=config if preset is None else {**config, "preset": preset})
     for r in res:
         assert r["phases"] == ["fp4"] * 6 + ["guard"] * 2 + ["fp4"], r["phases"]  # steps 1..9
-        assert [n > 0 for n in r["packed"]] == [True] * 6 + [False] * 2 + [True]
+        packed = [False] * 9 if preset == "nvfp4_zero2.json" else [True] * 6 + [False] * 2 + [True]
+        assert [n > 0 for n in r["packed"]] == packed
         assert r["bf16_only"] == [False] * 6 + [True] * 2 + [False]
         eps = r["schedule"]["spike_guard"]["episodes"]
         assert [(e["detected_at"], e["start"], e["end"]) for e in eps] == [(6, 7, 8)], eps

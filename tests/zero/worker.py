@@ -617,7 +617,8 @@ def scenario_spike_guard(rank: int, p: dict) -> dict:
         phases, losses, packed, bf16_only = [], [], [], []
         for step in steps:
             phases.append(engine.ds_nvfp4.schedule.current.name)
-            packed.append(ds_nvfp4.storage_report(engine).packed_params)
+            report = ds_nvfp4.storage_report(engine)  # None below ZeRO-3: DeepSpeed stores the weights
+            packed.append(report.packed_params if report is not None else 0)
             bf16_only.append(engine.module.blocks[1].fc1.bf16_only)
             loss = engine(*batch(step, rank))
             if rank == 1 and step + 1 in p["spikes"]:
