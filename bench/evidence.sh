@@ -46,9 +46,9 @@ config_of() {
     # the default preset with 4/6 block scaling of the weights (precision.weights.scaling "4over6", bound 256); the
     # 5M run was made with the preset before the guard (BF16 warm-up: its config.json in docs/evidence/5m)
     four_over_six) echo bench/configs/nvfp4_zero3_4over6.json ;;
-    # the loss-spike guard in place of the BF16 warm-up: since issue 23 the default preset itself (the same file's
-    # contents), kept under this name so the runs made before the switch resolve
-    spike_guard) echo bench/configs/nvfp4_zero3_spike_guard.json ;;
+    # the loss-spike guard in place of the BF16 warm-up, run under this name before the presets took it (the kept
+    # runs' config.json name bench/configs/nvfp4_zero3_spike_guard.json, the same contents): the default preset
+    spike_guard) echo ds_configs/nvfp4_zero3.json ;;
     # the default preset before the switch to the guard: FP4 off for the first 50 steps (the 10M fix)
     warmup50) echo bench/configs/nvfp4_zero3_bf16_warmup50.json ;;
     *) echo "ds_configs/${1%_seed*}.json" ;;
