@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import platform
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from .kernels import availability, decide, fp4_tensor_cores, get_backend, read_device
+from .kernels import availability, cpu_bf16_units, decide, fp4_tensor_cores, get_backend, read_device
 
 
 def _version(dist: str) -> str | None:
@@ -21,16 +22,44 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name ("AMD EPYC", "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz") from ``cpuinfo`` (default:
+    /proc/cpuinfo); the architecture ("x86_64", "aarch64") where no model name is given."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:  # not Linux
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            return value.strip()
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, str]:
+    """What picks a run's BF16 GEMM kernels, and so its bits: ``{"device", "name", "bf16_gemm"}``.
+
+    Two runs of one recipe, seed and data order are bit-identical on one machine and not across machines whose
+    entries differ here (oneDNN runs AMX, AVX512-BF16 or converting kernels, which round the FP32 accumulator at
+    other points; CUDA picks kernels per architecture): `launch/train.py` records it in each run's config.json and
+    `ds-nvfp4 compare` says when the two runs' differ."""
+    info = read_device()
+    if info.device_type == "cuda":
+        return {"device": "cuda", "name": info.name, "bf16_gemm": f"sm_{info.capability[0]}{info.capability[1]}"}
+    return {"device": "cpu", "name": cpu_model(), "bf16_gemm": cpu_bf16_units()[1]}
+
+
 def hardware() -> dict[str, Any]:
     info = read_device()
     cores, why = fp4_tensor_cores(info)
-    out: dict[str, Any] = {"device": info.device_type, "name": info.name, "fp4_tensor_cores": cores, "fp4_reason": why}
+    out: dict[str, Any] = {**machine(), "fp4_tensor_cores": cores, "fp4_reason": why}
     if info.device_type == "cuda":
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         out.update(compute_capability=f"{info.capability[0]}.{info.capability[1]}",
                    memory_gib=round(props.total_memory / 2**30, 1), gpus=torch.cuda.device_count())
     else:
-        out.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+        out.update(threads=torch.get_num_threads())
     return out
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import ds_nvfp4
+from ds_nvfp4.envcheck import machine
 from ds_nvfp4.evaluation.data import prepare
 from ds_nvfp4.evaluation.gpt import AUX_LOSS_COEF, GPT, MOE_PRESETS, PRESETS, evaluate, get_batch, model_spec
 
@@ -131,7 +132,8 @@ def main() -> None:
                     "world_size": world, "model": {**spec, "params": n_params},
                     "data": meta, "precision": state.precision.model_dump() if state else None,
                     "kernel": state.selection.describe() if state else None, "torch": torch.__version__,
-                    "deepspeed": deepspeed.__version__, "ds_nvfp4": ds_nvfp4.__version__}
+                    "deepspeed": deepspeed.__version__, "ds_nvfp4": ds_nvfp4.__version__,
+                    "machine": machine()}  # runs on machines that differ here are not bit-identical
         (out / "config.json").write_text(json.dumps(resolved, indent=2))
         if state is not None:
             (out / "conversion.json").write_text(state.conversion.to_json())

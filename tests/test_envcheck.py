@@ -45,3 +45,19 @@ def test_invalid_config_exits_1(tmp_path: Path) -> None:
     f.write_text('{"precision": {"enabled": true}}')
     r = env("--config", str(f))
     assert r.returncode == 1 and "bf16.enabled: true" in r.stdout
+
+
+def test_the_machine_is_named_by_its_cpu_model_and_bf16_units() -> None:
+    """Runs record it (config.json "machine") because BF16 GEMM kernels, and so a run's bits, differ between CPUs."""
+    from ds_nvfp4.envcheck import cpu_model, machine
+
+    xeon = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz\n"
+    assert cpu_model(xeon) == "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"
+    assert cpu_model("processor\t: 0\nBogoMIPS\t: 50.00\n") not in ("", "CPU")  # no model name: the architecture
+    if torch.cuda.is_available():
+        return
+    m = machine()
+    assert m["device"] == "cpu" and m["name"] not in ("", "CPU")
+    assert m["bf16_gemm"].startswith(("CPU with", "oneDNN capped")), m
+    r = env()
+    assert r.returncode == 0 and f"hardware   {m['name']} (cpu)" in r.stdout and m["bf16_gemm"] in r.stdout, r.stdout

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"node {rep['node']}")
     print(f"  hardware   {hw['name']} ({hw['device']})"
           + (f", sm {hw['compute_capability']}, {hw['memory_gib']} GiB x {hw['gpus']}" if hw["device"] == "cuda"
-             else f", {hw.get('threads')} threads"))
+             else f", {hw.get('threads')} threads, BF16 GEMMs: {hw['bf16_gemm']}"))
     print(f"  FP4 cores  {'yes' if hw['fp4_tensor_cores'] else 'no'}: {hw['fp4_reason']}")
     ds_note = "" if sw["deepspeed_in_tested_range"] else f" (OUTSIDE the tested range {sw['deepspeed_tested_range']})"
     te = sw["transformer_engine"]

@@ -86,6 +86,22 @@ def _check_comparable(a: dict, b: dict, sa: dict, sb: dict, seeds_may_differ: bo
                                f"precision{hint}")
 
 
+def _machine_note(a: dict | None, b: dict | None) -> str | None:
+    """A note when the runs' machines (config.json "machine": device, name, BF16 GEMM units) differ or one is not
+    recorded: their GEMM kernels may round differently, so even one recipe would not give the same bits."""
+    if a == b:
+        return None
+    why = ("so the two trajectories part from the first step even for one recipe, and the gap includes that "
+           "perturbation, which the interval (over held-out batches) does not cover")
+    if a is None or b is None:
+        which = "baseline" if a is None else "candidate"
+        return f"the {which} run does not record its machine (made before launch/train.py recorded it): if the two " \
+               f"ran on different CPUs or GPUs, their BF16 GEMM kernels differ, {why}"
+    desc = [f"{m.get('name')} ({m.get('device')}, BF16 GEMMs: {m.get('bf16_gemm')})" for m in (a, b)]
+    return f"the runs ran on different machines (baseline {desc[0]}, candidate {desc[1]}): their BF16 GEMM " \
+           f"kernels differ, {why}"
+
+
 def _labels(a: dict, b: dict) -> tuple[str, str]:
     """"BF16"/"NVFP4" by each run's precision section; two runs of one precision are told apart by their seed."""
     la, lb = ("NVFP4" if (c.get("precision") or {}).get("enabled") else "BF16" for c in (a, b))
@@ -127,6 +143,9 @@ def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01,
         rep.notes.append(f"the runs differ in --seed ({ca['args']['seed']} vs {cb['args']['seed']}): the gap includes "
                          "the run-to-run noise of initialization and batch order, which the interval (over held-out "
                          "batches) does not cover")
+    machine_note = _machine_note(ca.get("machine"), cb.get("machine"))
+    if machine_note:
+        rep.notes.append(machine_note)
     ea = {r["step"]: r for r in ra if "val_loss" in r}
     eb = {r["step"]: r for r in rb if "val_loss" in r}
     for step in sorted(set(ea) & set(eb)):

@@ -1,7 +1,7 @@
 """FP4 GEMM backends behind one interface (`GemmBackend.mm`), and the per-run choice among them."""
 
 from .base import GemmBackend, Operand, global_alpha
-from .operand import OperandChoice, operand_choice
+from .operand import OperandChoice, cpu_bf16_units, operand_choice
 from .select import (
     BackendUnavailable,
     DeviceInfo,
@@ -15,5 +15,5 @@ from .select import (
 )
 
 __all__ = ["BackendUnavailable", "DeviceInfo", "GemmBackend", "Operand", "OperandChoice", "Selection", "availability",
-           "decide",
-           "fp4_tensor_cores", "get_backend", "global_alpha", "operand_choice", "read_device", "select"]
+           "cpu_bf16_units", "decide", "fp4_tensor_cores", "get_backend", "global_alpha", "operand_choice",
+           "read_device", "select"]

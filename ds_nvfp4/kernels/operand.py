@@ -46,7 +46,8 @@ class OperandChoice:
         return f"{self.label} operands, FP32 accumulation ({self.reason})"
 
 
-def _cpu_bf16_units() -> tuple[bool, str]:
+def cpu_bf16_units() -> tuple[bool, str]:
+    """Whether this CPU's oneDNN has BF16 dot-product instructions (AMX-BF16, AVX512-BF16), and which, in words."""
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
     if cap in _ONEDNN_NO_BF16:
         return False, f"oneDNN capped at {cap} (ONEDNN_MAX_CPU_ISA): no BF16 dot-product instructions"
@@ -73,7 +74,7 @@ def decide(device_type: str, capability: tuple[int, int] | None, requested: str)
         if capability is not None and capability >= (8, 0):
             return OperandChoice(torch.bfloat16, f"sm_{capability[0]}{capability[1]}: BF16 tensor cores")
         return OperandChoice(torch.float32, "GPU without BF16 tensor cores")
-    ok, why = _cpu_bf16_units()
+    ok, why = cpu_bf16_units()
     return OperandChoice(torch.bfloat16 if ok else torch.float32, why)
 
 

@@ -11,13 +11,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+MACHINE = {"device": "cpu", "name": "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", "bf16_gemm": "CPU with AMX-BF16"}
+
 
 def make_run(path: Path, batch_losses: list[float], *, seed: int = 0, steps: int = 100, tok_s: float = 1000.0,
-             weight_bytes: int = 1000, finetune: list[float] | None = None, nvfp4: bool = False) -> Path:
+             weight_bytes: int = 1000, finetune: list[float] | None = None, nvfp4: bool = False,
+             machine: dict | None = MACHINE) -> Path:
     path.mkdir(parents=True)
     cfg = {"args": {"seed": seed, "steps": steps, "seq": 256, "eval_batches": len(batch_losses)},
            "model": {"layers": 5, "d_model": 128}, "data": {"sha256_train": "a", "sha256_val": "b"}, "kernel": None,
            "precision": {"enabled": True} if nvfp4 else None}
+    if machine is not None:
+        cfg["machine"] = machine
     (path / "config.json").write_text(json.dumps(cfg))
     rows = []
     for step in range(1, steps + 1):
@@ -122,6 +127,29 @@ def test_different_seeds_on_request_measure_the_noise_floor(tmp_path: Path) -> N
     # the flag loosens the seed only
     c = make_run(tmp_path / "short", BASE, seed=1, steps=50)
     assert run(str(a), str(c), "--seeds-may-differ").returncode == 2
+
+
+def test_runs_from_different_machines_are_compared_and_said_to_be(tmp_path: Path) -> None:
+    """BF16 GEMM kernels differ between CPUs (AMX vs AVX512-BF16: the same 1M run's step-1 loss differs by 1.4e-5),
+    so a pair from two machines is not the controlled pair a verdict assumes: the report says so."""
+    a = make_run(tmp_path / "bf16", BASE)
+    amd = {"device": "cpu", "name": "AMD EPYC", "bf16_gemm": "CPU with AVX512-BF16"}
+    b = make_run(tmp_path / "nvfp4", [v * 1.002 for v in BASE], nvfp4=True, machine=amd)
+    assert run(str(a), str(b)).returncode == 0
+    notes = json.loads((b / "report.json").read_text())["notes"]
+    [note] = [n for n in notes if "machine" in n]
+    assert "baseline Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz (cpu, BF16 GEMMs: CPU with AMX-BF16)" in note
+    assert "candidate AMD EPYC (cpu, BF16 GEMMs: CPU with AVX512-BF16)" in note
+    assert "AMD EPYC" in (b / "report.md").read_text()
+    # a run made before the field existed: said, not guessed
+    c = make_run(tmp_path / "old", BASE, machine=None)
+    assert run(str(c), str(b)).returncode == 0
+    notes = json.loads((b / "report.json").read_text())["notes"]
+    assert any("the baseline run does not record its machine" in n for n in notes), notes
+    # the same machine: nothing to say
+    d = make_run(tmp_path / "same", [v * 1.002 for v in BASE], nvfp4=True)
+    assert run(str(a), str(d)).returncode == 0
+    assert not any("machine" in n for n in json.loads((d / "report.json").read_text())["notes"])
 
 
 def test_missing_run_is_exit_2(tmp_path: Path) -> None:

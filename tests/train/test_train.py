@@ -79,6 +79,10 @@ def test_run_directory_and_resume(data: Path, tmp_path: Path) -> None:
     run = tmp_path / "full"
     for name in ("config.json", "metrics.jsonl", "conversion.json", "storage.json", "summary.json"):
         assert (run / name).exists(), name
+    from ds_nvfp4.envcheck import machine
+
+    # the machine that made the bits (compare notes a pair from two): the rank-0 process's own reading
+    assert json.loads((run / "config.json").read_text())["machine"] == machine()
     summary = json.loads((run / "summary.json").read_text())
     assert len(summary["peak_rss_bytes_per_rank"]) == 2 and all(v > 0 for v in summary["peak_rss_bytes_per_rank"])
     storage = json.loads((run / "storage.json").read_text())
