@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
                                       else f" CI [{c.ci[0]:+.2f}, {c.ci[1]:+.2f}]")
         print(f"{c.name}: {gap}{ci} -> {c.verdict}" + ("" if c.counts else " (supporting evidence)"))
     r = rep.ratios
-    print(f"candidate vs baseline (same machine; speed is comparable only when the two runs did not overlap with "
+    print(f"candidate vs baseline ({rep.machines}; speed is comparable only when the two runs did not overlap with "
           f"other work): tokens/s {r['tokens_per_s']:.2f}x, weight bytes per rank {r['weight_bytes_per_rank']:.3f}x, "
           f"peak RSS per rank {r['peak_rss_per_rank']:.2f}x")
     print(f"verdict: {rep.verdict}; report: {paths['md']}, plot: {paths['png']}")

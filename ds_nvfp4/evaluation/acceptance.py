@@ -47,6 +47,9 @@ class Report:
     notes: list[str] = field(default_factory=list)
     #: what the report's tables and plot call the two runs: their precision, and their seed when that is the same
     labels: tuple[str, str] = ("BF16", "NVFP4")
+    #: where the two ran, by their config.json "machine": "same machine", "different machines" or "machine not
+    #: recorded"; the speed ratio compares recipes only on one machine
+    machines: str = "same machine"
 
     @property
     def verdict(self) -> str:
@@ -143,7 +146,10 @@ def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01,
         rep.notes.append(f"the runs differ in --seed ({ca['args']['seed']} vs {cb['args']['seed']}): the gap includes "
                          "the run-to-run noise of initialization and batch order, which the interval (over held-out "
                          "batches) does not cover")
-    machine_note = _machine_note(ca.get("machine"), cb.get("machine"))
+    ma, mb = ca.get("machine"), cb.get("machine")
+    rep.machines = ("machine not recorded" if ma is None or mb is None else
+                    "same machine" if ma == mb else "different machines")
+    machine_note = _machine_note(ma, mb)
     if machine_note:
         rep.notes.append(machine_note)
     ea = {r["step"]: r for r in ra if "val_loss" in r}
@@ -310,7 +316,7 @@ def write(rep: Report, out_dir: str | Path) -> dict[str, Path]:
     lines += [f"| {e['step']} | {e['baseline_val_loss']:.4f} | {e['candidate_val_loss']:.4f} | "
               f"{e['baseline_val_ppl']:.3f} | {e['candidate_val_ppl']:.3f} | {e['relative_gap']:+.3%} |"
               for e in rep.evals]
-    lines += ["", f"| ratio ({lb} / {la}, same machine) | value |", "|---|---|"]
+    lines += ["", f"| ratio ({lb} / {la}, {rep.machines}) | value |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in rep.ratios.items() if v is not None]
     lines += ["", *[f"- {c.name}: {c.note}" for c in rep.criteria], *[f"- {n}" for n in rep.notes], "",
               "![loss curves](report.png)"]

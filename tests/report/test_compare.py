@@ -140,12 +140,15 @@ def test_runs_from_different_machines_are_compared_and_said_to_be(tmp_path: Path
     [note] = [n for n in notes if "machine" in n]
     assert "baseline Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz (cpu, BF16 GEMMs: CPU with AMX-BF16)" in note
     assert "candidate AMD EPYC (cpu, BF16 GEMMs: CPU with AVX512-BF16)" in note
-    assert "AMD EPYC" in (b / "report.md").read_text()
+    md = (b / "report.md").read_text()
+    assert "AMD EPYC" in md and "| ratio (NVFP4 / BF16, different machines) | value |" in md
+    assert "candidate vs baseline (different machines;" in run(str(a), str(b)).stdout
     # a run made before the field existed: said, not guessed
     c = make_run(tmp_path / "old", BASE, machine=None)
     assert run(str(c), str(b)).returncode == 0
     notes = json.loads((b / "report.json").read_text())["notes"]
     assert any("the baseline run does not record its machine" in n for n in notes), notes
+    assert "ratio (NVFP4 / BF16, machine not recorded)" in (b / "report.md").read_text()
     # the same machine: nothing to say
     d = make_run(tmp_path / "same", [v * 1.002 for v in BASE], nvfp4=True)
     assert run(str(a), str(d)).returncode == 0
