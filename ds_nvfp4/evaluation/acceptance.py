@@ -89,20 +89,24 @@ def _check_comparable(a: dict, b: dict, sa: dict, sb: dict, seeds_may_differ: bo
                                f"precision{hint}")
 
 
-def _machine_note(a: dict | None, b: dict | None) -> str | None:
-    """A note when the runs' machines (config.json "machine": device, name, BF16 GEMM units) differ or one is not
-    recorded: their GEMM kernels may round differently, so even one recipe would not give the same bits."""
+def _machines(a: dict | None, b: dict | None) -> tuple[str, str | None]:
+    """Where the runs ran, by their config.json "machine" (device, name, BF16 GEMM units): the label of the speed
+    ratio ("same machine", "different machines", "machine not recorded") and a note when the two differ or one is
+    not recorded, since GEMM kernels that round differently keep even one recipe from giving the same bits."""
+    if a is None and b is None:
+        return "machine not recorded", None
     if a == b:
-        return None
+        return "same machine", None
     why = ("so the two trajectories part from the first step even for one recipe, and the gap includes that "
            "perturbation, which the interval (over held-out batches) does not cover")
     if a is None or b is None:
         which = "baseline" if a is None else "candidate"
-        return f"the {which} run does not record its machine (made before launch/train.py recorded it): if the two " \
-               f"ran on different CPUs or GPUs, their BF16 GEMM kernels differ, {why}"
+        return "machine not recorded", (
+            f"the {which} run does not record its machine (made before launch/train.py recorded it): if the two "
+            f"ran on different CPUs or GPUs, their BF16 GEMM kernels differ, {why}")
     desc = [f"{m.get('name')} ({m.get('device')}, BF16 GEMMs: {m.get('bf16_gemm')})" for m in (a, b)]
-    return f"the runs ran on different machines (baseline {desc[0]}, candidate {desc[1]}): their BF16 GEMM " \
-           f"kernels differ, {why}"
+    return "different machines", (f"the runs ran on different machines (baseline {desc[0]}, candidate {desc[1]}): "
+                                  f"their BF16 GEMM kernels differ, {why}")
 
 
 def _labels(a: dict, b: dict) -> tuple[str, str]:
@@ -146,10 +150,7 @@ def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01,
         rep.notes.append(f"the runs differ in --seed ({ca['args']['seed']} vs {cb['args']['seed']}): the gap includes "
                          "the run-to-run noise of initialization and batch order, which the interval (over held-out "
                          "batches) does not cover")
-    ma, mb = ca.get("machine"), cb.get("machine")
-    rep.machines = ("machine not recorded" if ma is None or mb is None else
-                    "same machine" if ma == mb else "different machines")
-    machine_note = _machine_note(ma, mb)
+    rep.machines, machine_note = _machines(ca.get("machine"), cb.get("machine"))
     if machine_note:
         rep.notes.append(machine_note)
     ea = {r["step"]: r for r in ra if "val_loss" in r}
