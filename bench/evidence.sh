@@ -35,6 +35,9 @@ seed_of() { case $1 in *_seed*) echo "${1##*_seed}" ;; *) echo 0 ;; esac; }
 config_of() {
   case ${1%_seed*} in
     bf16) echo ds_configs/bf16_zero3.json ;;
+    # BF16 with the optimizer offloaded as nvfp4_zero3_offload.json does it (DeepSpeed's CPU Adam instead of
+    # torch's): the baseline that differs from the offload preset in precision alone
+    bf16_offload) echo bench/configs/bf16_zero3_offload.json ;;
     all_blocks) echo ds_configs/nvfp4_zero3_all_blocks_ablation.json ;;
     # the late switch as a fraction needs the run's length: this config is written for 2,100 steps
     all_blocks_late15) echo bench/configs/nvfp4_zero3_all_blocks_late_bf16_2100.json ;;
