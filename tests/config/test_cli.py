@@ -31,6 +31,22 @@ def test_presets_are_valid_including_deepspeed_checks() -> None:
     assert r.stdout.count(": ok") == len(PRESETS) == 6
 
 
+def test_bench_configs_are_valid() -> None:
+    bench = sorted((PRESETS[0].parents[1] / "bench" / "configs").glob("*.json"))
+    r = cli("validate", *map(str, bench))
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert r.stdout.count(": ok") == len(bench) >= 7
+
+
+def test_offload_baseline_differs_from_the_offload_preset_in_precision_alone() -> None:
+    """`bench/evidence.sh`'s `bf16_offload` is the offload preset's BF16 twin (same DeepSpeed CPU Adam): a change to
+    the preset outside `precision` must reach the baseline too, or the pair measures more than precision."""
+    preset = json.loads((PRESETS[0].parent / "nvfp4_zero3_offload.json").read_text())
+    baseline = json.loads((PRESETS[0].parents[1] / "bench" / "configs" / "bf16_zero3_offload.json").read_text())
+    preset.pop("precision")
+    assert baseline == preset
+
+
 def test_quiet_prints_nothing_on_success() -> None:
     r = cli("validate", "-q", "--no-deepspeed", str(PRESETS[0]))
     assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
