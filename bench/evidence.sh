@@ -11,7 +11,9 @@
 #     --out docs/results_gap_vs_size.png --json docs/results_gap_vs_size.json
 # Wall times (this 2-core machine, 2100 steps, alone unless said): 5m ~19 min BF16, ~29 min per forward-only NVFP4
 # preset, ~60-70 min per paper-preset run (FP4 backward; two side by side); the whole default list ~6.5 h, resumable;
-# 10m ~40 min BF16, ~70 min NVFP4; each probe (all of WordNet) ~30 min at 5m. Per-run times: OUT/wall_times.txt.
+# 10m ~40 min BF16, ~70 min NVFP4; each probe (all of WordNet) ~30 min at 5m. On a 2-core AMD EPYC (AVX512-BF16, no
+# AMX), alone: 10m 28 min BF16, 30-33 min per forward-only NVFP4 preset, ~50 min paper preset. Per-run times:
+# OUT/wall_times.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
