@@ -100,4 +100,12 @@ for name in $RUNS; do
                --out "$OUT/report_$name" || true ;;
     *) "$BIN/python" -m ds_nvfp4 compare "$OUT/bf16" "$OUT/$name" --out "$OUT/report_$name" || true ;;
   esac
+  # the offload preset also against its BF16 twin of the same seed (same CPU Adam) when that was run: the pair that
+  # differs in precision alone
+  case $name in
+    nvfp4_zero3_offload*)
+      twin=bf16_offload${name#nvfp4_zero3_offload}
+      [ -f "$OUT/$twin/summary.json" ] && { "$BIN/python" -m ds_nvfp4 compare "$OUT/$twin" "$OUT/$name" \
+                                              --out "$OUT/report_${name}_vs_$twin" || true; } ;;
+  esac
 done
