@@ -24,6 +24,7 @@ EVAL=${EVAL:-100}
 RUNS=${RUNS:-bf16 nvfp4_zero3 nvfp4_zero2 nvfp4_zero3_offload nvfp4_full_zero3 all_blocks all_blocks_late15 paper_late15
            paper_no_warmup warmup50 bf16_seed1}
 PROBE_RUNS=${PROBE_RUNS-bf16 nvfp4_zero3 bf16_seed1}  # PROBE_RUNS= (empty): no probe
+FINAL_EVAL_BATCHES=${FINAL_EVAL_BATCHES:-0}  # 600: re-evaluate every run's last checkpoint (see below)
 FINETUNE_STEPS=${FINETUNE_STEPS:-0}   # 400 with SEEDS="0 1 2 3": ~4.5 min per seed and run
 SEEDS=${SEEDS:-0 1 2 3}
 # a checkpoint every CKPT steps (the newest 2 kept): an interrupted run resumes from it (--resume) instead of
@@ -74,6 +75,22 @@ for name in $RUNS; do
     --resume --seed "$(seed_of "$name")" --out "$OUT/$name" >> "$OUT/$name.log" 2>&1
   echo "$name $(( $(date +%s) - start )) s$part" | tee -a "$OUT/wall_times.txt"
 done
+# every finished run's last checkpoint evaluated again on FINAL_EVAL_BATCHES held-out batches (final_eval.json,
+# which compare then judges): 600 is ~the whole validation split at --seq 256, a paired interval ~4.3x narrower
+# than the training's 32 batches (~1.5 min per 10M run). Only for every run of OUT alike, never one pair alone.
+if [ "$FINAL_EVAL_BATCHES" -gt 0 ]; then
+  for name in $RUNS; do
+    [ -f "$OUT/$name/summary.json" ] || continue
+    grep -q "\"eval_batches\": $FINAL_EVAL_BATCHES," "$OUT/$name/final_eval.json" 2>/dev/null \
+      && { echo "== $name: re-evaluated already"; continue; }
+    port=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    start=$(date +%s)
+    "$BIN/deepspeed" --num_gpus 2 --master_port "$port" launch/train.py --deepspeed_config "$(config_of "$name")" \
+      --model "$MODEL" --steps "$STEPS" --eval-batches "$FINAL_EVAL_BATCHES" --seed "$(seed_of "$name")" \
+      --out "$OUT/$name" --final-eval >> "$OUT/$name.log" 2>&1
+    echo "$name/final_eval $(( $(date +%s) - start )) s ($FINAL_EVAL_BATCHES batches)" | tee -a "$OUT/wall_times.txt"
+  done
+fi
 export OMP_NUM_THREADS=${EVAL_THREADS:-2}  # one process: use both cores
 for name in $PROBE_RUNS; do
   [ -f "$OUT/$name/probe.json" ] && { echo "== $name: probed already"; continue; }

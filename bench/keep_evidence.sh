@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Copy what docs/results.md cites from an evidence directory (runs/ is not committed) into docs/evidence/NAME:
-# per run config.json, probe.json / finetune.json when present and metrics.jsonl and summary.json (gzipped); per
+# per run config.json, probe.json / finetune.json / final_eval.json when present and metrics.jsonl and summary.json (gzipped); per
 # comparison report.md, report.json and report.png; the lines of wall_times.txt for runs not kept yet. Checkpoints
 # stay in runs/.
 #   bash bench/keep_evidence.sh runs/evidence_5m 5m
@@ -11,7 +11,7 @@ for run in "$src"/*/; do
   name=$(basename "$run")
   if [ -f "$run/summary.json" ]; then
     mkdir -p "$dest/$name"
-    for f in config.json probe.json finetune.json; do
+    for f in config.json probe.json finetune.json final_eval.json; do
       # absolute paths of the machine that ran it become repository-relative
       [ -f "$run/$f" ] && sed -E 's#"/[^"]*/(runs|launch|data)/#"\1/#g' "$run/$f" > "$dest/$name/$f"
     done

@@ -53,6 +53,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--keep-ckpts", type=int, default=0,
                     help="keep only the newest K checkpoints in OUT/ckpt (0: keep all); long runs save often to resume")
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/ckpt")
+    ap.add_argument("--final-eval", action="store_true",
+                    help="train nothing: evaluate OUT/ckpt's latest checkpoint on --eval-batches held-out batches "
+                         "(up to ~600 at --seq 256: the whole validation split) and write OUT/final_eval.json, "
+                         "which `ds-nvfp4 compare` then judges instead of the training's last evaluation")
     ap.add_argument("--data", default="data/shakespeare", help="prepared corpus (ds-nvfp4 data --out DIR)")
     ap.add_argument("--out", required=True, help="run directory")
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
@@ -115,6 +119,9 @@ def main() -> None:
     # with a BF16 warm-up (precision.schedule) the storage starts BF16 and is packed when FP4 begins: report that
     storage_packed = store is None or store.packed
 
+    if args.final_eval:
+        _final_eval(engine, out, val_data, args.eval_batches, micro, args.seq, rank, world)
+        _teardown(engine)
     start = 0
     metrics_path = out / "metrics.jsonl"
     if args.resume and (out / "ckpt" / "latest").exists():
@@ -211,6 +218,37 @@ def main() -> None:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"{args.out}: final val loss {rows[-1].get('val_loss', float('nan')):.4f} nats/byte, "
               f"{summary['tokens_per_s_median']:.0f} tokens/s", flush=True)
+    _teardown(engine)
+
+
+def _final_eval(engine, out: Path, val_data: np.ndarray, batches: int, micro: int, seq: int, rank: int,
+                world: int) -> None:
+    """Evaluate the latest checkpoint of ``out/ckpt`` on ``batches`` x ``micro`` held-out windows of ``seq`` bytes
+    (the windows of :func:`evaluate`: spread evenly over the validation split) and write ``out/final_eval.json``.
+
+    With the training's own ``--eval-batches`` it reproduces the last evaluation of the run bit for bit (the
+    weights and the precision phase come from the checkpoint); with more batches the paired interval of
+    ``compare`` narrows as 1/sqrt(batches). metrics.jsonl, summary.json and config.json are left as they are."""
+    ckpt = out / "ckpt"
+    if not (ckpt / "latest").exists():
+        raise SystemExit(f"--final-eval: {ckpt} has no 'latest' checkpoint to evaluate (train the run first, with "
+                         "its checkpoints in OUT/ckpt)")
+    tag = (ckpt / "latest").read_text().strip()
+    _, client = engine.load_checkpoint(str(ckpt), tag=tag)
+    t0 = time.perf_counter()
+    record = {"step": int(client["step"]), "checkpoint": tag, "eval_batches": batches, "micro_batch": micro,
+              "seq": seq, **evaluate(engine, val_data, batches, micro, seq, rank, world)}
+    record["seconds"] = round(time.perf_counter() - t0, 1)
+    if rank == 0:
+        tmp = out / "final_eval.json.tmp"
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.replace(out / "final_eval.json")  # never a half-written file
+        print(f"{out}: step {record['step']} ({tag}) val loss {record['val_loss']:.4f} nats/byte over {batches} "
+              f"held-out batches ({record['seconds']:.0f} s) -> {out / 'final_eval.json'}", flush=True)
+
+
+def _teardown(engine) -> None:
+    """Leave the process group and exit (every rank; does not return)."""
     torch.distributed.barrier()
     # an explicit teardown: left to interpreter exit, gloo's threads have aborted a rank under srun (exit 134)
     torch.distributed.destroy_process_group()
@@ -225,6 +263,7 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+    sys.exit(0)
 
 
 def _prune_checkpoints(ckpt: Path, keep: int) -> None:

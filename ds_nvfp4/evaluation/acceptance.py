@@ -164,10 +164,25 @@ def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01,
         raise CompareError("the runs have no evaluation at a common step")
     last = max(set(ea) & set(eb))
     la, lb = ea[last]["val_batch_losses"], eb[last]["val_batch_losses"]
+    def rel(x: np.ndarray, y: np.ndarray) -> float:  # the candidate's relative excess loss
+        return (y.mean() - x.mean()) / x.mean()
+
+    source = "the training's last evaluation"
+    final = _final_evals(base, cand, sa["steps"], rep.notes)
+    if final is not None:
+        # the training's own verdict stays on record beside the re-evaluation that replaces it
+        ci = paired_bootstrap(la, lb, rel)
+        source = (f"final_eval.json: the last checkpoint re-evaluated; the training's last evaluation, {len(la)} "
+                  f"batches: {100 * rel(np.asarray(la), np.asarray(lb)):+.3f}% CI [{100 * ci[0]:+.3f}%, "
+                  f"{100 * ci[1]:+.3f}%] -> {_verdict(ci, loss_gap)}")
+        last, la, lb = final
     gap = (np.mean(lb) - np.mean(la)) / np.mean(la)
-    ci = paired_bootstrap(la, lb, lambda x, y: (y.mean() - x.mean()) / x.mean())
-    rep.criteria.append(Criterion("final validation-loss gap", float(gap), ci, loss_gap, _verdict(ci, loss_gap),
-                                  "relative", f"step {last}, {len(la)} held-out batches, paired bootstrap 95% CI"))
+    ci = paired_bootstrap(la, lb, rel)
+    note = f"step {last}, {len(la)} held-out batches ({source}), paired bootstrap 95% CI"
+    verdict = _verdict(ci, loss_gap)
+    if verdict == "inconclusive":
+        note += f"; {_batches_needed(gap, ci, loss_gap, len(la), ca)}"
+    rep.criteria.append(Criterion("final validation-loss gap", float(gap), ci, loss_gap, verdict, "relative", note))
     probe = _probe(base, cand, acc_gap)
     finetuned = _downstream(base, cand, acc_gap)
     if probe.verdict != "not measured":  # deterministic: it decides; the seed-noisy fine-tunes support it
@@ -279,15 +294,58 @@ def _probe(base: Path, cand: Path, threshold: float) -> Criterion:
     return Criterion(name, gap, ci, threshold, verdict, "points", note)
 
 
-def examples_needed(gap: float, ci: tuple[float, float], threshold: float, n: int) -> str:
-    """What an inconclusive paired interval would need: the half-width shrinks as 1/sqrt(examples), so deciding
-    ``gap`` against ``threshold`` takes ~``n (half-width / |threshold - gap|)^2`` examples at the same gap."""
+def _needed(gap: float, ci: tuple[float, float], threshold: float, n: int) -> int | None:
+    """Samples an inconclusive paired interval would need: the half-width shrinks as 1/sqrt(samples), so deciding
+    ``gap`` against ``threshold`` takes ~``n (half-width / |threshold - gap|)^2`` at the same gap (None: the gap
+    sits on the threshold, no number decides it)."""
     half, room = (ci[1] - ci[0]) / 2, abs(threshold - gap)
-    if room < 1e-9:
+    return None if room < 1e-9 else math.ceil(n * (half / room) ** 2)
+
+
+def examples_needed(gap: float, ci: tuple[float, float], threshold: float, n: int) -> str:
+    """:func:`_needed` for the probe's examples (gap and threshold in accuracy points)."""
+    needed = _needed(gap, ci, threshold, n)
+    if needed is None:
         return "the gap sits on the threshold: no number of examples decides it"
-    needed = math.ceil(n * (half / room) ** 2)
-    return (f"at this gap a verdict needs a half-width under {room:.2f} points, i.e. ~{needed:,} examples (now {n:,}, "
-            f"half-width {half:.2f})")
+    return (f"at this gap a verdict needs a half-width under {abs(threshold - gap):.2f} points, i.e. ~{needed:,} "
+            f"examples (now {n:,}, half-width {(ci[1] - ci[0]) / 2:.2f})")
+
+
+def _batches_needed(gap: float, ci: tuple[float, float], threshold: float, n: int, config: dict) -> str:
+    """:func:`_needed` for the final loss gap's held-out batches, against what the validation split holds."""
+    needed = _needed(gap, ci, threshold, n)
+    if needed is None:
+        return "the gap sits on the threshold: no number of held-out batches decides it"
+    micro = config.get("ds_config", {}).get("train_micro_batch_size_per_gpu")
+    seq, val = config["args"].get("seq"), config["data"].get("val_bytes")
+    split = f"; the validation split holds ~{val // (micro * seq):,}" if micro and seq and val else ""
+    return (f"at this gap a verdict needs ~{needed:,} held-out batches (now {n:,}{split}): `launch/train.py ... "
+            f"--final-eval --eval-batches N` on both runs writes final_eval.json, which compare then judges")
+
+
+def _final_evals(base: Path, cand: Path, steps: int,
+                 notes: list[str]) -> tuple[int, list[float], list[float]] | None:
+    """(step, baseline batch losses, candidate batch losses) from both runs' ``final_eval.json`` (launch/train.py
+    --final-eval), or None when neither has one. Raises CompareError when the two evaluations differ in their
+    windows (batches, micro-batch, sequence) or in the step evaluated, or one is not of the run's last step."""
+    paths = [base / "final_eval.json", cand / "final_eval.json"]
+    present = [p.exists() for p in paths]
+    if not any(present):
+        return None
+    if not all(present):
+        have, lack = (paths[0], paths[1]) if present[0] else (paths[1], paths[0])
+        notes.append(f"{have} exists but {lack} does not: the final gap uses both runs' last training evaluation "
+                     f"(run launch/train.py --final-eval with the same --eval-batches on {lack.parent})")
+        return None
+    fa, fb = (json.loads(p.read_text()) for p in paths)
+    for key in ("step", "eval_batches", "micro_batch", "seq"):
+        if fa.get(key) != fb.get(key):
+            raise CompareError(f"{paths[0]} and {paths[1]} differ in {key} ({fa.get(key)!r} vs {fb.get(key)!r}): "
+                               "re-evaluate both runs with the same --final-eval --eval-batches")
+    if fa["step"] != steps:
+        raise CompareError(f"{paths[0]} and {paths[1]} evaluate step {fa['step']}, the runs end at step {steps}: "
+                           "their newest checkpoint is not the final one (ckpt/latest)")
+    return fa["step"], fa["val_batch_losses"], fb["val_batch_losses"]
 
 
 def write(rep: Report, out_dir: str | Path) -> dict[str, Path]:

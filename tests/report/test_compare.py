@@ -82,6 +82,50 @@ def test_inconclusive_when_the_interval_straddles_the_threshold(tmp_path: Path) 
     assert crit["ci"][0] < 0.01 < crit["ci"][1]
 
 
+def final_eval(run_dir: Path, batch_losses: list[float], *, step: int = 100, batches: int | None = None) -> None:
+    """What `launch/train.py --final-eval` writes (the fields compare reads)."""
+    (run_dir / "final_eval.json").write_text(json.dumps({
+        "step": step, "checkpoint": f"step{step}", "eval_batches": batches or len(batch_losses), "micro_batch": 4,
+        "seq": 256, "val_loss": float(np.mean(batch_losses)), "val_batch_losses": batch_losses}))
+
+
+def test_final_eval_json_decides_an_inconclusive_gap_with_more_held_out_batches(tmp_path: Path) -> None:
+    """A +0.7% gap whose 32-batch interval reaches past 1% is inconclusive, and the note says how many batches
+    would decide it; both runs re-evaluated on 600 batches (final_eval.json) narrow the interval to a pass."""
+    rng = np.random.default_rng(3)
+    base32, noise32 = list(rng.normal(2.5, 0.05, 32)), rng.normal(0.0, 0.015, 32)
+    a = make_run(tmp_path / "bf16", base32)
+    b = make_run(tmp_path / "nvfp4", [v * (1.007 + n) for v, n in zip(base32, noise32)], nvfp4=True)
+    r = run(str(a), str(b))
+    crit = json.loads((b / "report.json").read_text())["criteria"][0]
+    assert r.returncode == 3 and crit["verdict"] == "inconclusive", (r.stdout, crit)
+    assert "held-out batches (now 32" in crit["note"] and "--final-eval" in crit["note"], crit["note"]
+    base600, noise600 = list(rng.normal(2.5, 0.05, 600)), rng.normal(0.0, 0.015, 600)
+    final_eval(a, base600)
+    final_eval(b, [v * (1.007 + n) for v, n in zip(base600, noise600)])
+    r = run(str(a), str(b))
+    crit = json.loads((b / "report.json").read_text())["criteria"][0]
+    assert r.returncode == 0 and crit["verdict"] == "pass", (r.stdout, crit)
+    assert "600 held-out batches (final_eval.json" in crit["note"] and crit["ci"][1] < 0.01, crit
+    assert "the training's last evaluation, 32 batches: +" in crit["note"] and "-> inconclusive" in crit["note"]
+
+
+def test_final_evals_of_other_windows_or_steps_are_refused_and_one_alone_is_noted(tmp_path: Path) -> None:
+    a = make_run(tmp_path / "bf16", BASE)
+    b = make_run(tmp_path / "nvfp4", [v * 1.002 for v in BASE], nvfp4=True)
+    final_eval(a, BASE)
+    r = run(str(a), str(b))  # one run re-evaluated: the training's evaluations decide, and the report says why
+    notes = json.loads((b / "report.json").read_text())["notes"]
+    assert r.returncode == 0 and any("final_eval.json does not" in n for n in notes), notes
+    final_eval(b, BASE[:16])
+    r = run(str(a), str(b))
+    assert r.returncode == 2 and "eval_batches (32 vs 16)" in r.stderr + r.stdout, r.stderr
+    final_eval(a, BASE, step=50)
+    final_eval(b, BASE, step=50)
+    r = run(str(a), str(b))
+    assert r.returncode == 2 and "evaluate step 50, the runs end at step 100" in r.stderr + r.stdout, r.stderr
+
+
 def test_the_validation_loss_interval_is_paired_over_batches(tmp_path: Path) -> None:
     """Both runs evaluate the same held-out batches, whose losses differ far more between batches than between runs:
     resampled in pairs the interval is set by the consistent 0.5% gap; resampled independently it would be ~100x

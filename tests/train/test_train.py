@@ -101,6 +101,17 @@ def test_run_directory_and_resume(data: Path, tmp_path: Path) -> None:
     resumed = train(data, fresh, preset, extra=("--resume",))
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:]]
+    # --final-eval: the latest checkpoint evaluated again, on the training's windows bit for bit (weights and
+    # precision phase from the checkpoint), then on twice as many; the run's own files stay as they were
+    before = {n: (run / n).read_bytes() for n in ("config.json", "metrics.jsonl", "summary.json")}
+    train(data, run, preset, extra=("--final-eval",))
+    again = json.loads((run / "final_eval.json").read_text())
+    assert again["step"] == 8 and again["checkpoint"] == "step8" and again["eval_batches"] == 4
+    assert again["val_batch_losses"] == full[-1]["val_batch_losses"] and again["val_loss"] == full[-1]["val_loss"]
+    train(data, run, preset, extra=("--final-eval", "--eval-batches", "8"))
+    more = json.loads((run / "final_eval.json").read_text())
+    assert more["eval_batches"] == 8 and len(more["val_batch_losses"]) == 8
+    assert {n: (run / n).read_bytes() for n in before} == before
 
 
 def test_storage_is_reported_from_the_fp4_phase_after_a_bf16_warmup(data: Path, tmp_path: Path) -> None:
