@@ -7,6 +7,8 @@
 #   MODEL=5m STEPS=2100 OUT=runs/evidence_5m bash bench/evidence.sh
 #   MODEL=1m STEPS=2100 OUT=runs/evidence_1m RUNS="bf16 nvfp4_zero3" PROBE_RUNS= bash bench/evidence.sh
 #   MODEL=10m STEPS=2100 OUT=runs/evidence_10m RUNS="bf16 nvfp4_zero3" PROBE_RUNS= bash bench/evidence.sh
+#   FINAL_EVAL_BATCHES=600 MODEL=10m OUT=runs/evidence_10m RUNS="..." PROBE_RUNS= bash bench/evidence.sh
+#     (finished runs re-evaluated on the whole validation split, then compared again)
 #   python bench/gap_vs_size.py runs/evidence_{1m,5m,10m}/report_nvfp4_zero3 \
 #     --out docs/results_gap_vs_size.png --json docs/results_gap_vs_size.json
 # Wall times (this 2-core machine, 2100 steps, alone unless said): 5m ~19 min BF16, ~29 min per forward-only NVFP4

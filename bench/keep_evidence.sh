@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Copy what docs/results.md cites from an evidence directory (runs/ is not committed) into docs/evidence/NAME:
-# per run config.json, probe.json / finetune.json / final_eval.json when present and metrics.jsonl and summary.json (gzipped); per
-# comparison report.md, report.json and report.png; the lines of wall_times.txt for runs not kept yet. Checkpoints
-# stay in runs/.
+# per run config.json, probe.json / finetune.json / final_eval.json when present and metrics.jsonl and
+# summary.json (gzipped); per comparison report.md, report.json and report.png; the lines of wall_times.txt for
+# runs not kept yet. Checkpoints stay in runs/.
 #   bash bench/keep_evidence.sh runs/evidence_5m 5m
 set -euo pipefail
 src=$1; dest=docs/evidence/$2
