@@ -62,19 +62,24 @@ config_of() {
     *) echo "ds_configs/${1%_seed*}.json" ;;
   esac
 }
+# launch/train.py on 2 ranks as run NAME (its config and seed; a free port), appending to OUT/NAME.log
+train_py() {
+  local name=$1 port
+  shift
+  port=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  "$BIN/deepspeed" --num_gpus 2 --master_port "$port" launch/train.py --deepspeed_config "$(config_of "$name")" \
+    --model "$MODEL" --steps "$STEPS" --seed "$(seed_of "$name")" --out "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
+}
 
 "$BIN/python" -m ds_nvfp4 data
 mkdir -p "$OUT"
 for name in $RUNS; do
   [ -f "$OUT/$name/summary.json" ] && { echo "== $name: done already ($OUT/$name)"; continue; }
   case $name in *late15) [ "$STEPS" = 2100 ] || { echo "== $name: needs STEPS=2100, skipped"; continue; } ;; esac
-  port=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   # a resumed run's time below is this part's only
   part=""; [ -d "$OUT/$name/ckpt" ] && part=" (resumed from its newest checkpoint: this part only)"
   start=$(date +%s)
-  "$BIN/deepspeed" --num_gpus 2 --master_port "$port" launch/train.py --deepspeed_config "$(config_of "$name")" \
-    --model "$MODEL" --steps "$STEPS" --eval-interval "$EVAL" --eval-batches 32 --ckpt-interval "$CKPT" --keep-ckpts 2 \
-    --resume --seed "$(seed_of "$name")" --out "$OUT/$name" >> "$OUT/$name.log" 2>&1
+  train_py "$name" --eval-interval "$EVAL" --eval-batches 32 --ckpt-interval "$CKPT" --keep-ckpts 2 --resume
   echo "$name $(( $(date +%s) - start )) s$part" | tee -a "$OUT/wall_times.txt"
 done
 # every finished run's last checkpoint evaluated again on FINAL_EVAL_BATCHES held-out batches (final_eval.json,
@@ -85,11 +90,8 @@ if [ "$FINAL_EVAL_BATCHES" -gt 0 ]; then
     [ -f "$OUT/$name/summary.json" ] || continue
     grep -q "\"eval_batches\": $FINAL_EVAL_BATCHES," "$OUT/$name/final_eval.json" 2>/dev/null \
       && { echo "== $name: re-evaluated already"; continue; }
-    port=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     start=$(date +%s)
-    "$BIN/deepspeed" --num_gpus 2 --master_port "$port" launch/train.py --deepspeed_config "$(config_of "$name")" \
-      --model "$MODEL" --steps "$STEPS" --eval-batches "$FINAL_EVAL_BATCHES" --seed "$(seed_of "$name")" \
-      --out "$OUT/$name" --final-eval >> "$OUT/$name.log" 2>&1
+    train_py "$name" --eval-batches "$FINAL_EVAL_BATCHES" --final-eval
     echo "$name/final_eval $(( $(date +%s) - start )) s ($FINAL_EVAL_BATCHES batches)" | tee -a "$OUT/wall_times.txt"
   done
 fi

@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -248,8 +249,8 @@ def _final_eval(engine, out: Path, val_data: np.ndarray, batches: int, micro: in
               f"held-out batches ({record['seconds']:.0f} s) -> {out / 'final_eval.json'}", flush=True)
 
 
-def _teardown(engine) -> None:
-    """Leave the process group and exit (every rank; does not return)."""
+def _teardown(engine) -> NoReturn:
+    """Leave the process group and exit (every rank)."""
     torch.distributed.barrier()
     # an explicit teardown: left to interpreter exit, gloo's threads have aborted a rank under srun (exit 134)
     torch.distributed.destroy_process_group()

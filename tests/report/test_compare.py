@@ -82,10 +82,10 @@ def test_inconclusive_when_the_interval_straddles_the_threshold(tmp_path: Path) 
     assert crit["ci"][0] < 0.01 < crit["ci"][1]
 
 
-def final_eval(run_dir: Path, batch_losses: list[float], *, step: int = 100, batches: int | None = None) -> None:
+def final_eval(run_dir: Path, batch_losses: list[float], *, step: int = 100) -> None:
     """What `launch/train.py --final-eval` writes (the fields compare reads)."""
     (run_dir / "final_eval.json").write_text(json.dumps({
-        "step": step, "checkpoint": f"step{step}", "eval_batches": batches or len(batch_losses), "micro_batch": 4,
+        "step": step, "checkpoint": f"step{step}", "eval_batches": len(batch_losses), "micro_batch": 4,
         "seq": 256, "val_loss": float(np.mean(batch_losses)), "val_batch_losses": batch_losses}))
 
 
