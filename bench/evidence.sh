@@ -21,6 +21,9 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 MODEL=${MODEL:-5m}
 STEPS=${STEPS:-2100}
+# a reference protocol of ds_nvfp4/evaluation/protocol.py (e.g. v2): it sets the steps, batch, schedule and
+# evaluations (STEPS and EVAL are then unused) and evaluates the whole validation split after the last step
+PROTOCOL=${PROTOCOL:-}
 OUT=${OUT:-runs/evidence_$MODEL}
 EVAL=${EVAL:-100}
 RUNS=${RUNS:-bf16 nvfp4_zero3 nvfp4_zero2 nvfp4_zero3_offload nvfp4_full_zero3 all_blocks all_blocks_late15 paper_late15
@@ -62,13 +65,18 @@ config_of() {
     *) echo "ds_configs/${1%_seed*}.json" ;;
   esac
 }
-# launch/train.py on 2 ranks as run NAME (its config and seed; a free port), appending to OUT/NAME.log
+# launch/train.py on 2 ranks as run NAME (its config and seed; a free port), appending to OUT/NAME.log; with
+# PROTOCOL the protocol's batch, steps, schedule and evaluations instead of STEPS and EVAL
+recipe() {
+  if [ -n "$PROTOCOL" ]; then echo --protocol "$PROTOCOL"; else echo --steps "$STEPS"; fi
+}
 train_py() {
   local name=$1 port
   shift
   port=$("$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  # shellcheck disable=SC2046
   "$BIN/deepspeed" --num_gpus 2 --master_port "$port" launch/train.py --deepspeed_config "$(config_of "$name")" \
-    --model "$MODEL" --steps "$STEPS" --seed "$(seed_of "$name")" --out "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
+    --model "$MODEL" $(recipe) --seed "$(seed_of "$name")" --out "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
 }
 
 "$BIN/python" -m ds_nvfp4 data
@@ -79,7 +87,11 @@ for name in $RUNS; do
   # a resumed run's time below is this part's only
   part=""; [ -d "$OUT/$name/ckpt" ] && part=" (resumed from its newest checkpoint: this part only)"
   start=$(date +%s)
-  train_py "$name" --eval-interval "$EVAL" --eval-batches 32 --ckpt-interval "$CKPT" --keep-ckpts 2 --resume
+  if [ -n "$PROTOCOL" ]; then  # the protocol fixes the evaluations, the final whole-split one included
+    train_py "$name" --ckpt-interval "$CKPT" --keep-ckpts 2 --resume
+  else
+    train_py "$name" --eval-interval "$EVAL" --eval-batches 32 --ckpt-interval "$CKPT" --keep-ckpts 2 --resume
+  fi
   echo "$name $(( $(date +%s) - start )) s$part" | tee -a "$OUT/wall_times.txt"
 done
 # every finished run's last checkpoint evaluated again on FINAL_EVAL_BATCHES held-out batches (final_eval.json,

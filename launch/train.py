@@ -34,6 +34,7 @@ import ds_nvfp4
 from ds_nvfp4.envcheck import machine
 from ds_nvfp4.evaluation.data import prepare
 from ds_nvfp4.evaluation.gpt import AUX_LOSS_COEF, GPT, MOE_PRESETS, PRESETS, evaluate, get_batch, model_spec
+from ds_nvfp4.evaluation.protocol import PROTOCOLS, whole_split_batches
 
 
 # -------------------------------------------------------------------------------------------------- main
@@ -44,13 +45,23 @@ def parse_args() -> argparse.Namespace:
                     help="dense GPT sizes, or moe-*: top-2 of 8 routed experts per block with a load-balancing loss")
     ap.add_argument("--aux-loss-coef", type=float, default=AUX_LOSS_COEF,
                     help="MoE models: weight of the load-balancing loss added to the cross-entropy")
+    ap.add_argument("--protocol", choices=sorted(PROTOCOLS), default=None,
+                    help="a reference protocol (ds_nvfp4/evaluation/protocol.py): batch, steps, warm-up, peak lr, "
+                         "lr floor and evaluations fixed in advance, and the whole validation split evaluated after "
+                         "the last step (final_eval.json); a flag it sets, given too, overrides it and is recorded "
+                         "in config.json as a deviation")
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300)")
+    ap.add_argument("--micro-batch", type=int, default=None,
+                    help="sequences per rank per step (default: the ds_config's train_micro_batch_size_per_gpu)")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the ds_config's)")
-    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--lr-floor", type=float, default=None,
+                    help="the cosine decay ends at this fraction of the peak (default 0.1)")
+    ap.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (default 30)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-interval", type=int, default=50)
-    ap.add_argument("--eval-batches", type=int, default=16)
+    ap.add_argument("--eval-interval", type=int, default=None, help="steps between evaluations (default 50)")
+    ap.add_argument("--eval-batches", type=_batches, default=None,
+                    help="held-out batches per evaluation (default 16); 'all': the whole validation split")
     ap.add_argument("--ckpt-interval", type=int, default=0, help="save a checkpoint every N steps (0: only at the end)")
     ap.add_argument("--keep-ckpts", type=int, default=0,
                     help="keep only the newest K checkpoints in OUT/ckpt (0: keep all); long runs save often to resume")
@@ -62,7 +73,30 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--data", default="data/shakespeare", help="prepared corpus (ds-nvfp4 data --out DIR)")
     ap.add_argument("--out", required=True, help="run directory")
     ap.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    return ap.parse_args()
+    args = ap.parse_args()
+    defaults = {"steps": 300, "micro_batch": None, "lr": None, "lr_floor": 0.1, "warmup": 30, "eval_interval": 50,
+                "eval_batches": 16}
+    protocol = PROTOCOLS[args.protocol] if args.protocol else None
+    # a flag given beside --protocol overrides it and is recorded as a deviation (config.json "protocol")
+    args.protocol_deviations = {}
+    for name, default in defaults.items():
+        given = getattr(args, name)
+        if protocol is not None and given is not None and given != getattr(protocol, name) and not args.final_eval:
+            args.protocol_deviations[name] = given
+        if given is None:
+            setattr(args, name, getattr(protocol, name) if protocol else default)
+    args.final_eval_after = bool(protocol and protocol.final_eval)
+    return args
+
+
+def _batches(text: str) -> int | str:
+    """``--eval-batches``: a positive count or 'all' (the whole validation split)."""
+    if text == "all":
+        return text
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of batches or 'all', not {text}")
+    return value
 
 
 def main() -> None:
@@ -87,7 +121,13 @@ def main() -> None:
     ds_config = json.loads(Path(args.deepspeed_config).read_text())
     if args.lr is not None:
         ds_config["optimizer"]["params"]["lr"] = args.lr
+    if args.micro_batch is not None:
+        ds_config["train_micro_batch_size_per_gpu"] = args.micro_batch
     micro = ds_config["train_micro_batch_size_per_gpu"]
+    if args.eval_batches == "all":
+        args.eval_batches = whole_split_batches(len(val_data), micro, args.seq)
+    # fixed before the first step and recorded in config.json: the evaluation the run's claims rest on
+    final_eval_batches = whole_split_batches(len(val_data), micro, args.seq) if args.final_eval_after else None
     gas = ds_config.get("gradient_accumulation_steps", 1)
 
     torch.manual_seed(args.seed)
@@ -104,11 +144,11 @@ def main() -> None:
 
         set_z3_leaf_modules(model, [Experts])
 
-    def lr_lambda(step: int) -> float:  # linear warm-up, cosine decay to 10%
+    def lr_lambda(step: int) -> float:  # linear warm-up, cosine decay to lr_floor
         if step < args.warmup:
             return (step + 1) / args.warmup
         progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        return args.lr_floor + (1 - args.lr_floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     engine, _, _, scheduler = ds_nvfp4.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config,
@@ -137,6 +177,10 @@ def main() -> None:
 
     if rank == 0:
         resolved = {"args": {k: v for k, v in vars(args).items() if k != "local_rank"}, "ds_config": ds_config,
+                    "protocol": ({**PROTOCOLS[args.protocol].to_dict(), "deviations": args.protocol_deviations}
+                                 if args.protocol else None),
+                    "final_eval": ({"batches": final_eval_batches, "micro_batch": micro, "seq": args.seq,
+                                    "whole_split": True} if final_eval_batches else None),
                     "script": str(Path(__file__).resolve()),
                     "world_size": world, "model": {**spec, "params": n_params},
                     "data": meta, "precision": state.precision.model_dump() if state else None,
@@ -200,6 +244,9 @@ def main() -> None:
                 post["val"] = f"{record['val_loss']:.3f}"
             bar.set_postfix(post)
 
+    if final_eval_batches:  # the protocol's final evaluation, fixed in config.json
+        _write_final_eval(engine, out, val_data, final_eval_batches, micro, args.seq, rank, world, args.steps,
+                          f"step{args.steps}")
     peak = [None] * world
     torch.distributed.all_gather_object(peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     ranks = [None] * world
@@ -237,9 +284,17 @@ def _final_eval(engine, out: Path, val_data: np.ndarray, batches: int, micro: in
                          "its checkpoints in OUT/ckpt)")
     tag = (ckpt / "latest").read_text().strip()
     _, client = engine.load_checkpoint(str(ckpt), tag=tag)
+    _write_final_eval(engine, out, val_data, batches, micro, seq, rank, world, int(client["step"]), tag)
+
+
+def _write_final_eval(engine, out: Path, val_data: np.ndarray, batches: int, micro: int, seq: int, rank: int,
+                      world: int, step: int, tag: str) -> None:
+    """Evaluate the engine's current weights (those of checkpoint ``tag``, step ``step``) on ``batches`` held-out
+    batches and write ``out/final_eval.json`` atomically (rank 0)."""
     t0 = time.perf_counter()
-    record = {"step": int(client["step"]), "checkpoint": tag, "eval_batches": batches, "micro_batch": micro,
-              "seq": seq, **evaluate(engine, val_data, batches, micro, seq, rank, world)}
+    record = {"step": step, "checkpoint": tag, "eval_batches": batches, "micro_batch": micro, "seq": seq,
+              "whole_split": batches == whole_split_batches(len(val_data), micro, seq),
+              **evaluate(engine, val_data, batches, micro, seq, rank, world)}
     record["seconds"] = round(time.perf_counter() - t0, 1)
     if rank == 0:
         tmp = out / "final_eval.json.tmp"
