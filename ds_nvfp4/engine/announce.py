@@ -32,6 +32,9 @@ def summary_line(state: NVFP4State, report: StorageReport | None = None) -> str:
     text = (f"ds_nvfp4: NVFP4 training ON: {len(c.converted)} GEMM weights NVFP4 ({c.fp4_by_kind()}), {kept_text}; "
             f"{c.fp4_params / total if total else 0:.1%} of all parameters; {p.describe_recipe()}; kernel {c.kernel}"
             + (f" ({state.selection.operand.split(' (')[0]})" if state.selection.operand else ""))
+    if c.unknown:
+        text += (f"; {len(c.unknown)} weights of unknown role kept BF16 ({sum(d.params for d in c.unknown):,} "
+                 "parameters: see the table)")
     if c.fused_groups:
         text += f"; {len(c.fused_groups)} fused groups share an amax"
     if report is not None:

@@ -56,7 +56,8 @@ class Block(nn.Module):
 
 
 class TopKRouter(nn.Module):
-    """The router of an MoE block: ``weight [E, d]``; kept BF16 by ds_nvfp4 (its class name ends in "Router")."""
+    """The router of an MoE block: ``weight [E, d]``; kept BF16 by ds_nvfp4 (found by its role: the ``[E, d]`` GEMM
+    beside the E experts)."""
 
     def __init__(self, d: int, experts: int, top_k: int) -> None:
         super().__init__()
@@ -73,9 +74,13 @@ class TopKRouter(nn.Module):
 
 class Experts(nn.Module):
     """``E`` SwiGLU experts in transformers 5's layout: ``gate_up_proj [E, 2I, d]`` (gate rows, then up rows) and
-    ``down_proj [E, d, I]``, both ``[out, in]`` per expert; the eager loop of transformers' experts modules."""
+    ``down_proj [E, d, I]``, both ``[out, in]`` per expert; the eager loop of transformers' experts modules, with the
+    attributes transformers' experts interface declares (``use_experts_implementation``), so ds_nvfp4 runs it as it
+    runs a Qwen3-MoE or Mixtral experts module (grouped FP4 GEMMs)."""
 
-    has_gate = True
+    has_gate, has_bias, is_transposed, is_concatenated, has_post_expert_norm = True, False, False, True, False
+    #: this forward computes what transformers' experts interface computes (nn/moe.py)
+    ds_nvfp4_experts_interface = True
 
     def __init__(self, experts: int, d: int, inter: int) -> None:
         super().__init__()

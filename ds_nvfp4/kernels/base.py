@@ -45,6 +45,26 @@ class Operand:
         return Operand(self.amax, self.tensor.t(), None)  # type: ignore[union-attr]
 
 
+@dataclass(frozen=True)
+class GroupedOperand:
+    """Groups of rows quantized along K, each group with its own per-tensor amax (MoE experts: the tokens of each
+    expert, or each expert's weight ``[N, K]`` stacked to ``[E*N, K]``); see ``format/grouped.py``.
+
+    Attributes:
+        amax: float32 ``[G]`` per-group amax.
+        scale: float8_e4m3fn block scales (``[M, K/16]``, or ``[M/16, K/16]`` for 16x16 tiles).
+        data: uint8 packed codes ``[M, K/2]`` when kept, else None.
+        values: the emulated backend's operand values ``[M, K]`` (E2M1 value times E4M3 scale), or None.
+        block: ``"1x16"`` or ``"16x16"``.
+    """
+
+    amax: torch.Tensor
+    scale: torch.Tensor
+    data: torch.Tensor | None
+    values: torch.Tensor | None
+    block: str = "1x16"
+
+
 class GemmBackend(ABC):
     """A way to multiply two NVFP4 operands. Stateless; one instance per process is enough.
 
@@ -70,6 +90,22 @@ class GemmBackend(ABC):
     @abstractmethod
     def mm(self, a: NVFP4Storage | Operand, b: NVFP4Storage | Operand, out_dtype: torch.dtype) -> torch.Tensor:
         """``a @ b.T`` as ``out_dtype`` ``[M, N]``: FP32 accumulation, both per-tensor decode scales applied."""
+
+    #: whether :meth:`grouped_linear` runs one grouped GEMM (False: the nn layer runs one GEMM per group)
+    grouped = False
+
+    def quantize_grouped(self, x: torch.Tensor, row_group: torch.Tensor, groups: int, *, block: str = "1x16",
+                         amax: torch.Tensor | None = None, keep_codes: bool = False) -> GroupedOperand:
+        """Quantize the row groups of ``x`` ``[M, K]`` (``row_group [M]`` int64), each with its own amax (``amax``
+        ``[groups]`` overrides), in one call: ``format.grouped.quantize_grouped`` into this backend's operand."""
+        raise NotImplementedError(f"{self.name}: no grouped GEMM (one GEMM per expert instead)")
+
+    def grouped_linear(self, a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, row_group: torch.Tensor,
+                       bias_rows: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [M, N], nonfinite)``: row ``i`` of ``a`` (group ``g = row_group[i]``, rows sorted by group,
+        group ``g`` ending at ``offsets[g]``) times ``b``'s group ``g`` (``[N, K]`` of the stacked ``[G*N, K]``),
+        FP32 accumulation, both groups' decode scales applied, plus ``bias_rows [M, N]``."""
+        raise NotImplementedError(f"{self.name}: no grouped GEMM (one GEMM per expert instead)")
 
     def linear(self, a: NVFP4Storage | Operand, b: NVFP4Storage | Operand, bias: torch.Tensor | None,
                out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

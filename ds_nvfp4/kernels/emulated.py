@@ -21,7 +21,9 @@ import functools
 import torch
 
 from ..format import NVFP4Storage, _kernels, quantize, quantize_values
-from .base import GemmBackend, Operand, check_operands, global_alpha
+from ..format.constants import GLOBAL_SCALE_NUMERATOR
+from ..format.grouped import quantize_grouped
+from .base import GemmBackend, GroupedOperand, Operand, check_operands, global_alpha
 from .operand import operand_choice
 
 
@@ -41,6 +43,27 @@ def matmul_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype == torch.bfloat16 and a.is_cuda and _cuda_mm_out_dtype():
         return torch.mm(a, b, out_dtype=torch.float32)
     return a @ b
+
+
+def grouped_mm_acc(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``[M, N]``: rows of group ``g`` of ``a`` ``[M, K]`` times ``b[g].T`` (``b`` ``[G, N, K]``), exact operands,
+    FP32 accumulation (rounded once to BF16 where the library returns BF16). Rows past ``offsets[-1]`` are 0.
+
+    FP32 operands (the bit-exact mode) run :func:`matmul_acc` per group, the very GEMM of the per-expert path; BF16
+    operands one ``torch.nn.functional.grouped_mm`` where its kernel beats a loop (CUDA), else one GEMM per group
+    after a single read of the offsets (CPU: oneDNN's GEMM is several times faster than torch's CPU grouped_mm,
+    bench/experts.py)."""
+    if a.dtype == torch.bfloat16 and a.is_cuda and hasattr(torch.nn.functional, "grouped_mm"):
+        out = torch.nn.functional.grouped_mm(a, b.transpose(1, 2), offs=offsets.to(torch.int32))
+        rows = torch.arange(a.shape[0], device=a.device)
+        return torch.where((rows < offsets[-1]).unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=a.device))
+    out = a.new_zeros(a.shape[0], b.shape[1], dtype=torch.float32 if a.dtype == torch.float32 else a.dtype)
+    start = 0
+    for g, end in enumerate(offsets.tolist()):  # one host read for all groups
+        if end > start:
+            out[start:end] = matmul_acc(a[start:end], b[g].t())
+        start = end
+    return out
 
 
 class EmulatedBackend(GemmBackend):
@@ -74,6 +97,28 @@ class EmulatedBackend(GemmBackend):
 
     def mm(self, a: NVFP4Storage | Operand, b: NVFP4Storage | Operand, out_dtype: torch.dtype) -> torch.Tensor:
         return self.linear(a, b, None, out_dtype)[0]
+
+    grouped = True
+
+    def quantize_grouped(self, x: torch.Tensor, row_group: torch.Tensor, groups: int, *, block: str = "1x16",
+                         amax: torch.Tensor | None = None, keep_codes: bool = False) -> GroupedOperand:
+        values, used, data, scale = quantize_grouped(x, row_group, groups, block=block, amax=amax,
+                                                     dtype=self.operand_dtype(x.device), keep_codes=keep_codes)
+        return GroupedOperand(used, scale, data, values, block)
+
+    def grouped_linear(self, a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, row_group: torch.Tensor,
+                       bias_rows: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        groups = offsets.numel()
+        acc = grouped_mm_acc(a.values, b.values.view(groups, -1, b.values.shape[1]), offsets)
+        # each row's alpha: the product of its group's two decode scales, in global_alpha's float32 order
+        inv = torch.tensor(1.0 / (GLOBAL_SCALE_NUMERATOR * GLOBAL_SCALE_NUMERATOR), dtype=torch.float32,
+                           device=acc.device)
+        alpha = ((a.amax * b.amax) * inv)[row_group].unsqueeze(1)
+        out = acc.to(torch.float32) * alpha
+        if bias_rows is not None:
+            out = out + bias_rows.to(torch.float32)
+        out = out.to(out_dtype)
+        return out, ~torch.isfinite(out).all()
 
     def linear(self, a: NVFP4Storage | Operand, b: NVFP4Storage | Operand, bias: torch.Tensor | None,
                out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,11 +37,13 @@ def _child_index(prefix: str, positions: dict[int, int]) -> Callable[[str], int 
     return index_of
 
 
-def find_blocks(model: nn.Module) -> Blocks | None:
-    """The longest ``nn.ModuleList`` (>= 2) whose children share one type."""
+def find_blocks(model: nn.Module, exclude: set[str] | frozenset[str] = frozenset()) -> Blocks | None:
+    """The longest ``nn.ModuleList`` (>= 2) whose children share one type, other than those named in ``exclude``
+    (lists of MoE experts, which can be longer than the list of blocks)."""
     best: tuple[str, nn.ModuleList] | None = None
     for name, m in model.named_modules():
-        same_type = isinstance(m, nn.ModuleList) and len(m) >= 2 and len({type(c) for c in m}) == 1
+        same_type = (isinstance(m, nn.ModuleList) and len(m) >= 2 and len({type(c) for c in m}) == 1
+                     and name not in exclude)
         if same_type and (best is None or len(m) > len(best[1])):
             best = (name, m)
     if best is None:

@@ -1,8 +1,11 @@
 """`convert_model`: turn the model's GEMM modules FP4 in place, and say why for each one that is not.
 
 GEMM modules it knows: ``nn.Linear`` (-> ``NVFP4Linear``), GPT-2-style ``Conv1D`` (nn/conv1d.py) and MoE experts
-with 3-D expert weights (nn/experts.py). Routers (``*Router`` modules) and any other module with a matrix weight
-that is not one of those are listed as BF16 with the reason, so the report accounts for every GEMM.
+found by what they are (nn/moe.py: any parameter holding several experts' matrices, any list of per-expert
+modules), run as grouped FP4 GEMMs (nn/experts.py) or through their own forward (nn/intercept.py). Routers, found by
+their role (the ``[E, H]`` GEMM beside E experts), stay BF16. Every floating parameter of two or more dimensions is
+accounted for in the report: an FP4 or BF16 GEMM weight with its reason, a router, an embedding table, a
+convolution kernel, or a row ``unknown: kept BF16`` that the start-up line counts.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from ..config import PrecisionConfig
 from ..kernels import Selection, select
 from .blocks import Blocks, find_blocks
 from .conv1d import FP4Conv1D, conv1d_blocker, is_conv1d
-from .experts import FP4Experts, experts_blocker, gemm_shapes, is_experts
+from .experts import FP4Experts, experts_blocker, gemm_shape
+from .intercept import FP4InterceptedExperts
 from .linear import NVFP4Linear
 from .module import FP4Module
+from .moe import ExpertsSite, MoEStructure, find_moe, shape_of
 from .recipe import Recipe
 from .report import ConversionReport, LayerDecision
 from .weights import FusedGroup
@@ -31,20 +36,20 @@ def _numel(p: nn.Parameter) -> int:
     return int(getattr(p, "ds_numel", p.numel()))
 
 
-def _kind(m: nn.Module) -> str | None:
-    """The GEMM kind of a module ("Linear", "Conv1D", "experts", "router", "other"), None when it has no GEMM."""
+def _kind(name: str, m: nn.Module, moe: MoEStructure) -> str | None:
+    """The GEMM kind of a module ("Linear", "Conv1D", "experts", "router"), None when it is none of them."""
+    if name in moe.routers:
+        return "router"
+    site = moe.site_of(name)
+    if site is not None and site.execution != "linears":
+        return "experts"
     if isinstance(m, FP4Module):
         return m.kind
     if isinstance(m, nn.Linear):
         return "Linear"
     if is_conv1d(m):
         return "Conv1D"
-    if is_experts(m):
-        return "experts"
-    weight = m._parameters.get("weight")
-    if weight is None or len(getattr(weight, "ds_shape", weight.shape)) < 2 or isinstance(m, nn.Embedding):
-        return None
-    return "router" if type(m).__name__.lower().endswith("router") else "other"
+    return None
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -53,20 +58,29 @@ def _matches(name: str, pattern: str) -> bool:
     return any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts)))
 
 
-def _gemm_weights(m: nn.Module, kind: str) -> list[tuple]:
-    """``(report-name function, parameter name, (experts or None, N, K))`` of each GEMM weight of a module."""
+def _transposed(m: nn.Module, site: ExpertsSite) -> dict[str, bool | None]:
+    """Per expert weight: stored ``[E, K, N]`` (True), ``[E, N, K]`` (False) or known only at the GEMM (None)."""
+    if site.execution == "interface":
+        return {w.param: bool(m.is_transposed) for w in site.weights}
+    return {w.param: None for w in site.weights}
+
+
+def _gemm_weights(name: str, m: nn.Module, kind: str, site: ExpertsSite | None) -> list[tuple]:
+    """``(report name, parameter name, (experts or None, N, K), stored transposed)`` of each GEMM weight."""
     if kind == "experts":
-        return [((lambda name, p=p: f"{name}.{p}"), p, shape) for p, shape in gemm_shapes(m).items()]
+        transposed = _transposed(m, site)
+        return [(f"{name}.{w.param}", w.param, gemm_shape(w, bool(transposed[w.param])), bool(transposed[w.param]))
+                for w in site.weights]
     n_out, n_in = (m.nf, m.nx) if kind == "Conv1D" else (m.out_features, m.in_features)
-    return [((lambda name: name), "weight", (None, n_out, n_in))]
+    return [(name, "weight", (None, n_out, n_in), kind == "Conv1D")]
 
 
-def _blocker(m: nn.Module, kind: str, recipe: Recipe) -> str | None:
+def _blocker(m: nn.Module, kind: str, recipe: Recipe, site: ExpertsSite | None) -> str | None:
     """A shape or layout reason why the module cannot run FP4 GEMMs, or None."""
     if kind == "Conv1D":
         return conv1d_blocker(m, recipe)
     if kind == "experts":
-        return experts_blocker(m, recipe)
+        return experts_blocker(site, recipe, _transposed(m, site))
     if m.in_features % 16:
         return f"in_features={m.in_features} is not a multiple of 16 (NVFP4 blocks run along K)"
     if recipe.weight_block == "16x16" and m.out_features % 16:
@@ -116,9 +130,12 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
     sel = selection or select(pc.kernel, device)
     recipe = Recipe.from_config(pc, sel.name)
     mods = pc.modules
-    blocks = blocks or find_blocks(model)
+    moe = find_moe(model)
+    lists = {s.name for s in moe.sites if s.execution == "linears"}
+    blocks = blocks or find_blocks(model, exclude=lists)
     report = ConversionReport(kernel=sel.name, kernel_reason=sel.reason + (f"; {sel.operand}" if sel.operand else ""),
-                              blocks=blocks.describe() if blocks else None)
+                              blocks=blocks.describe() if blocks else None,
+                              moe=[s.describe() for s in moe.sites])
     first = mods.keep_first_blocks_bf16
     last = pc.last_blocks_bf16(blocks.count) if blocks else 0
     last_rule = (f"keep_last_fraction_bf16={mods.keep_last_fraction_bf16}: the last {last}"
@@ -141,23 +158,28 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
     mha_children = {f"{n}.{c}" if n else c for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)
                     for c, _ in m.named_modules() if c}
     vocab = {m.num_embeddings: n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    members = {m: s.name for s in moe.sites for m in s.members}
+    accounted: set[int] = set()
 
     for name, m in list(model.named_modules()):
-        kind = _kind(m)
+        kind = _kind(name, m, moe)
         if kind is None:
             continue
-        if kind in ("router", "other"):
-            w = m._parameters["weight"]
-            shape = tuple(getattr(w, "ds_shape", w.shape))
-            why = ("a router: its GEMM decides the routing, which stays BF16 (as in every NVFP4 recipe)"
-                   if kind == "router" else f"{type(m).__name__} is not a GEMM module ds_nvfp4 converts (nn.Linear, "
-                                            "Conv1D, MoE experts)")
-            report.layers.append(LayerDecision(name, shape[-1], shape[0], _numel(w), False, why, kind=kind))
+        if kind == "router":
+            w = next(p for _, p in m.named_parameters(recurse=False) if len(shape_of(p)) == 2)
+            shape = shape_of(w)
+            report.layers.append(LayerDecision(
+                name, shape[1], shape[0], _numel(w), False,
+                f"router of {moe.routers[name]}: its {shape[0]} logits pick the experts, so it stays BF16 (as in "
+                "every NVFP4 recipe)", kind="router"))
+            accounted.add(id(w))
             continue
+        site = moe.site_of(name)
         idx = blocks.index_of(name) if blocks else None
         rule = next(((i, r) for i, r in enumerate(mods.overrides) if _matches(name, r.match)), None)
         excl = next((p for p in mods.exclude if _matches(name, p)), None)
-        shared = [o for _, pname, _ in _gemm_weights(m, kind) for o in owners.get(id(getattr(m, pname)), [])
+        gemms = _gemm_weights(name, m, kind, site)
+        shared = [o for _, pname, _, _ in gemms for o in owners.get(id(m.get_parameter(pname)), [])
                   if o != f"{name}.{pname}"]
         if isinstance(m, FP4Module):
             fp4, reason = True, f"already {type(m).__name__}"
@@ -176,7 +198,7 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
             fp4, reason = False, f"in block {idx} of {blocks.count} (keep_first_blocks_bf16={first})"
         elif rule is None and idx is not None and idx >= blocks.count - last:
             fp4, reason = False, f"in block {idx} of {blocks.count} ({last_rule})"
-        elif (blocker := _blocker(m, kind, recipe)) is not None:
+        elif (blocker := _blocker(m, kind, recipe, site)) is not None:
             fp4, reason = False, blocker
         else:
             fp4, reason = True, "converted" + (f" (modules.overrides[{rule[0]}] {rule[1].match!r} -> fp4)"
@@ -186,12 +208,23 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
                 reason += (f" (note: out_features equals the vocabulary of {vocab[n_out]!r}: if this is the LM head, "
                            f"add {name!r} to modules.exclude)")
                 report.notes.append(f"{name} looks like an LM head and was quantized: no exclude pattern matched it")
-            {"Linear": NVFP4Linear, "Conv1D": FP4Conv1D, "experts": FP4Experts}[kind].convert(m, recipe)
-        for label, pname, (e, n_out, n_in) in _gemm_weights(m, kind):
-            transposed = kind == "Conv1D" or (kind == "experts" and bool(getattr(m, "is_transposed", False)))
-            report.layers.append(LayerDecision(label(name), n_in, n_out, _numel(getattr(m, pname)), fp4, reason,
-                                               kind=kind, experts=e, transposed=transposed))
+            if kind == "experts":
+                cls = FP4Experts if site.execution == "interface" else FP4InterceptedExperts
+                cls.convert(m, recipe, site)
+                if site.execution == "intercepted":
+                    reason += " (its own forward: GEMMs on expert slices run FP4, checked at the first forward)"
+            else:
+                {"Linear": NVFP4Linear, "Conv1D": FP4Conv1D}[kind].convert(m, recipe)
+        owner = next((s for prefix, s in members.items() if name == prefix or name.startswith(prefix + ".")), None)
+        if owner is not None:
+            reason += f" (an expert of {owner})"
+        for label, pname, (e, n_out, n_in), transposed in gemms:
+            param = m.get_parameter(pname)
+            accounted.add(id(param))
+            report.layers.append(LayerDecision(label, n_in, n_out, _numel(param), fp4, reason, kind=kind,
+                                               experts=e, transposed=transposed))
 
+    _account_rest(model, moe, accounted, report)
     _fuse(model, report, mods.fuse)
     fp4_ids = {id(p) for m in model.modules() if isinstance(m, FP4Module) for _, p, _ in m.fp4_weights()}
     for p in {id(p): p for p in model.parameters()}.values():
@@ -201,3 +234,38 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
             report.bf16_params += _numel(p)
     log.debug("%s", report.table())  # ds_nvfp4.initialize shows it (rank 0, visibly); see engine.announce
     return report
+
+
+_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, getattr(nn, "RMSNorm", nn.LayerNorm))
+
+
+def _account_rest(model: nn.Module, moe: MoEStructure, accounted: set[int], report: ConversionReport) -> None:
+    """A row for every floating parameter of >= 2 dimensions no GEMM row holds: embedding tables and convolution
+    kernels with what they are, anything else ``unknown: kept BF16`` (counted on the start-up line)."""
+    seen = set(accounted)
+    sites = [(s.name, s.experts) for s in moe.sites if s.execution != "linears"]
+    for mname, m in model.named_modules():
+        for pname, p in m.named_parameters(recurse=False):
+            shape = shape_of(p)
+            if id(p) in seen or not p.is_floating_point() or len(shape) < 2:
+                continue
+            seen.add(id(p))
+            full = f"{mname}.{pname}" if mname else pname
+            site = next((s for s in sites if mname == s[0] or mname.startswith(s[0] + ".")), None)
+            if sum(d > 1 for d in shape) <= 1:
+                kind, why = "vector", f"a vector parameter {list(shape)} (no GEMM): BF16"
+            elif isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+                kind, why = "embedding", "an embedding table (a lookup, no GEMM): BF16"
+            elif site is not None and len(shape) == 2 and shape[0] == site[1]:
+                kind, why = "bias", f"a per-expert vector of {site[0]} ({shape[0]} x {shape[1]}: a bias, no GEMM): BF16"
+            elif isinstance(m, _NORMS) or type(m).__name__.endswith("Norm"):
+                kind, why = "norm", f"a {type(m).__name__} weight (a normalization, no GEMM): BF16"
+            elif isinstance(m, nn.modules.conv._ConvNd):
+                kind, why = "conv", f"a {type(m).__name__} kernel (convolutions are not converted): BF16"
+            else:
+                kind = "unknown"
+                why = "unknown: kept BF16 (" + moe.unexplained.get(
+                    full, f"{type(m).__name__}.{pname} {list(shape)} is not a Linear, Conv1D, expert or router "
+                          "weight ds_nvfp4 recognizes") + ")"
+            report.layers.append(LayerDecision(full, shape[-1], shape[-2], _numel(p), False, why, kind=kind,
+                                               experts=shape[0] if len(shape) == 3 else None))

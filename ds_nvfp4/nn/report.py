@@ -6,6 +6,10 @@ import json
 from dataclasses import asdict, dataclass, field
 
 
+#: the report kinds that are GEMM weights (the others: embedding, conv, unknown)
+_GEMM_KINDS = ("Linear", "Conv1D", "experts", "router")
+
+
 @dataclass
 class LayerDecision:
     """One GEMM weight of the model: a Linear's or Conv1D's weight, or one 3-D experts parameter."""
@@ -16,7 +20,7 @@ class LayerDecision:
     params: int          # weight elements (all experts)
     fp4: bool
     reason: str
-    kind: str = "Linear"           # Linear, Conv1D, experts, router, other
+    kind: str = "Linear"           # Linear, Conv1D, experts, router; embedding, conv, unknown (no GEMM row)
     experts: int | None = None     # E for a 3-D experts weight
     transposed: bool = False       # stored [K, N] (Conv1D; experts of classes with is_transposed)
 
@@ -34,6 +38,13 @@ class ConversionReport:
     notes: list[str] = field(default_factory=list)
     #: groups of converted sibling Linears whose weights share one per-tensor amax (``modules.fuse``)
     fused_groups: list[list[str]] = field(default_factory=list)
+    #: the MoE experts modules found (nn/moe.py), one line each: experts, how they run, their router
+    moe: list[str] = field(default_factory=list)
+
+    @property
+    def unknown(self) -> list[LayerDecision]:
+        """Weights of 2+ dimensions the converter could not classify (kept BF16)."""
+        return [d for d in self.layers if d.kind == "unknown"]
 
     @property
     def converted(self) -> list[str]:
@@ -41,7 +52,8 @@ class ConversionReport:
 
     @property
     def kept_bf16(self) -> list[str]:
-        return [d.name for d in self.layers if not d.fp4]
+        """GEMM weights (and routers) kept BF16; embedding tables, convolutions and unknown weights aside."""
+        return [d.name for d in self.layers if not d.fp4 and d.kind in _GEMM_KINDS]
 
     def fp4_by_kind(self) -> str:
         """E.g. "28 Linear, 16 experts tensors" (what is NVFP4, by module kind)."""
@@ -73,11 +85,17 @@ class ConversionReport:
             precision = "NVFP4" if d.fp4 else "BF16"
             lines.append(f"{d.name:<{w}}  {d.kind:<7}  {shape:>16}  {d.params:>11,}  {precision:<9}  {d.reason}")
         frac = self.fp4_params / total if total else 0.0
-        lines.append(f"{len(self.converted)} of {len(self.layers)} GEMM weights in NVFP4 ({self.fp4_by_kind()}); "
+        gemms = [d for d in self.layers if d.kind in _GEMM_KINDS]
+        lines.append(f"{len(self.converted)} of {len(gemms)} GEMM weights in NVFP4 ({self.fp4_by_kind()}); "
                      f"parameters (all of the model's): {self.fp4_params:,} NVFP4 ({frac:.1%}), "
                      f"{self.bf16_params:,} BF16")
         if self.fused_groups:
             lines.append(f"{len(self.fused_groups)} fused groups share one weight amax each (modules.fuse), e.g. "
                          f"{', '.join(self.fused_groups[0])}")
+        if self.unknown:
+            lines.append(f"{len(self.unknown)} weights ds_nvfp4 cannot classify kept BF16 "
+                         f"({sum(d.params for d in self.unknown):,} parameters): {', '.join(d.name for d in self.unknown[:4])}"
+                         + (", ..." if len(self.unknown) > 4 else ""))
+        lines += [f"MoE: {line}" for line in self.moe]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -63,9 +63,17 @@ class WeightCodes:
     once when offered (exact for 16x16 tiles).
     """
 
-    def __init__(self, experts: int | None = None, transposed: bool = False) -> None:
+    def __init__(self, experts: int | None = None, transposed: bool = False,
+                 stored_shape: tuple[int, int, int] | None = None, accept_gathered: bool = True) -> None:
         self.experts = experts
         self.transposed = transposed
+        #: ``(E, rows, cols)`` for experts stacked in a 2-D parameter ``[E*rows, cols]`` (DBRX): the packed ZeRO-3
+        #: storage quantizes it per expert with this shape; None: the parameter's own shape
+        self.stored_shape = stored_shape
+        #: whether codes gathered by the packed storage (in the stored layout) are the GEMM's: False where the GEMM's
+        #: orientation is only seen in the forward (intercepted experts), which then re-quantizes the gathered weight
+        #: with the agreed amax (the same codes: quantizing NVFP4 values with their own amax is exact)
+        self.accept_gathered = accept_gathered
         #: reuse this step's codes (set by the engine; off for a bare ``convert_model``)
         self.cache = False
         #: float32 per-tensor amax (``[E]`` per expert) the packed ZeRO-3 storage agreed across ranks, or None
@@ -108,6 +116,8 @@ class WeightCodes:
     def offer_gathered(self, weight: torch.Tensor, codes: Codes) -> None:
         """The storage gathered ``weight`` together with its codes in the weight's stored layout (``[E, ...]`` per
         expert; ``[K, N]`` for a transposed weight); valid until :meth:`drop_gathered`."""
+        if not self.accept_gathered:
+            return
         if self.transposed:
             from ..format import NVFP4Storage
 

@@ -81,7 +81,8 @@ class _PackedGatherHandle:
         for e, size in zip(self.entries, self.sizes):
             p = e.param
             dev = p.ds_tensor.device
-            weight, (data, scale, amax) = from_wire(chunks[:, off:off + size].to(dev), tuple(p.ds_shape),
+            weight, (data, scale, amax) = from_wire(chunks[:, off:off + size].to(dev),
+                                                    tuple(e.codes.stored_shape or p.ds_shape),
                                                     self.store.block, e.codes.agreed_amax.to(dev),
                                                     self.store.e4m3_bound)
             off += size

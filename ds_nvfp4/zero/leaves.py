@@ -7,14 +7,15 @@ and the ranks then wait on each other's collectives forever (seen here: a 2-rank
 evaluation). DeepSpeed's answer is a leaf module (``deepspeed.utils.set_z3_leaf_module``): no hooks below it, all
 its parameters gathered when it is entered. DeepSpeed's own default leaf list
 (``zero_optimization.leaf_module``) names only the Mixtral, Qwen2-MoE and Qwen3-MoE sparse blocks; this marks every
-experts module ds_nvfp4 recognizes (``nn/experts.py``), converted or kept BF16, whatever its family.
+experts module nn/moe.py finds by what it is, converted or kept BF16, whatever its family: the experts module that
+holds expert weights, or the MoE block that loops over a list of per-expert modules.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from ..nn.experts import is_experts
+from ..nn.moe import find_moe
 
 
 def mark_experts_leaves(model: nn.Module) -> list[str]:
@@ -24,12 +25,14 @@ def mark_experts_leaves(model: nn.Module) -> list[str]:
 
     marked = []
     under_leaf: list[str] = []
+    leaves = {s.leaf for s in find_moe(model).sites}
     for name, m in model.named_modules():
         if z3_leaf_module(m):
             under_leaf.append(f"{name}.")
             continue
-        if any(name.startswith(p) for p in under_leaf) or not is_experts(m):
+        if any(name.startswith(p) for p in under_leaf) or name not in leaves:
             continue
         set_z3_leaf_module(m, True)
+        under_leaf.append(f"{name}.")
         marked.append(name)
     return marked

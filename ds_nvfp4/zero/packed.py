@@ -126,7 +126,8 @@ class PackedPartitions:
                 e = Entry(p, names.get(id(p), f"ds_id {p.ds_id}"), sid, off, numel)
                 if id(p) in converted:
                     e.codes = converted[id(p)]
-                    e.layout = partition_layout(tuple(p.ds_shape), numel, ws, block, rank)
+                    shape = e.codes.stored_shape or tuple(p.ds_shape)  # DBRX-style 2-D experts: (E, rows, cols)
+                    e.layout = partition_layout(tuple(shape), numel, ws, block, rank)
                     if not e.layout.packable:
                         self.kept_bf16[e.name] = e.layout.reason
                 group.append(e)
