@@ -45,6 +45,8 @@ class LayerRecord(_Record):
     kind: str = "Linear"           # schema 1 had Linear layers only
     experts: int | None = None
     transposed: bool = False
+    projections: list[list[str]] | None = None   # experts: per-expert module split (nn.LayerDecision)
+    bias: str | None = None
 
 
 class ConversionRecord(_Record):
@@ -58,6 +60,7 @@ class ConversionRecord(_Record):
     bf16_params: int = 0
     notes: list[str] = Field(default_factory=list)
     fused_groups: list[list[str]] = Field(default_factory=list)
+    moe: list[str] = Field(default_factory=list)
 
 
 class CheckpointMetadata(_Record):

@@ -1,17 +1,24 @@
 """What each trained GEMM weight becomes in an export: *units* (one quantized matrix each) and pass-through tensors.
 
-A unit is one ``[N, K]`` matrix quantized with one amax, written under one or more output module names (row ranges):
+A unit is one ``[N, K]`` matrix quantized with one amax, written under one or more output module names (row
+selections):
 
 * a Linear: one unit, named as the module;
 * a Conv1D (weight stored ``[in, out]``): one unit of the transposed weight; NVFP4 tensors are written in the
   ``[out, in/2]`` layout every NVFP4 loader reads, BF16 weights in Conv1D's own ``[in, out]`` layout;
-* MoE experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``): one unit per expert matrix, written under the
-  per-expert names transformers' ``save_pretrained`` uses and vLLM's MoE loaders map
-  (``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``); gate and up are the two row halves of one quantized
-  matrix, so they share its global scale, as vLLM's and TensorRT-LLM's fused w13 require.
+* MoE experts whose layout the conversion recorded (transformers' experts interface: ``projections`` of the
+  report): one unit per expert matrix, in the GEMM's ``[N, K]`` layout whatever the stored one (GPT-OSS stores
+  ``[E, K, N]``), written under the per-expert names vLLM's MoE loaders and llm-compressor use
+  (``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``): gate and up are the two row halves (or, interleaved as
+  GPT-OSS stores them, the even and odd rows) of one quantized matrix, so they share its global scale, as vLLM's
+  and TensorRT-LLM's fused w13 require; per-expert biases go with them (``.bias``, BF16);
+* MoE experts run through their own forward (Llama 4, DBRX: no declared layout): one unit per expert matrix in the
+  stored layout, with no per-expert name (``Unit.outputs`` empty). Only the BF16 export, which transformers writes
+  itself, takes them; an NVFP4 export refuses them by name.
 
-Experts kept BF16 are split into the same per-expert names (BF16 ``.weight``), so every export of an MoE model has
-the layout ``from_pretrained`` expects.
+Every unit also knows the parameter and expert it came from, so the BF16 export of a Hugging Face checkpoint puts
+the dequantized weights back into the model's own parameters and lets transformers' ``save_pretrained`` write
+the file (its own names and layout, per family).
 """
 
 from __future__ import annotations
@@ -28,36 +35,31 @@ class ExportError(ValueError):
     """The checkpoint cannot be exported as asked (names the file, the tag or the layer)."""
 
 
+#: row selections of an expert's ``[N, K]`` matrix by name (``projections`` of the conversion report)
+_ROWS = {"all": lambda n: slice(0, n), "first_half": lambda n: slice(0, n // 2),
+         "second_half": lambda n: slice(n // 2, n), "even": lambda n: slice(0, n, 2), "odd": lambda n: slice(1, n, 2)}
+
+
 @dataclass
 class Unit:
     """One matrix ``source [N, K]`` (what the training forward quantized, float32), quantized with ``amax``.
 
-    ``outputs``: ``(module name, first row, end row)`` it is written under; ``input_amax``: the recorded max |input|
-    (None: never observed); ``kn``: the BF16 export writes the weight transposed (Conv1D's layout)."""
+    ``outputs``: ``(module name, rows)`` it is written under (empty: no per-module name, BF16 export only);
+    ``input_amax``: the recorded max |input| (None: never observed); ``kn``: stored ``[K, N]`` (the BF16 export
+    writes it back transposed); ``param`` / ``index``: the state-dict key and expert it came from."""
 
     key: str
     source: torch.Tensor
-    outputs: list[tuple[str, int, int]]
+    outputs: list[tuple[str, slice]]
     input_amax: float | None
     kn: bool = False
+    param: str = ""
+    index: int | None = None
     amax: torch.Tensor = field(default=None)  # type: ignore[assignment]
 
 
-def _expert_names(record: LayerRecord) -> list[tuple[str, float]]:
-    """``(projection, share of the rows)`` of an experts parameter's per-expert names."""
-    param = record.name.rsplit(".", 1)[1]
-    if param == "gate_up_proj":
-        return [("gate_proj", 0.5), ("up_proj", 0.5)]
-    return [(param, 1.0)]
-
-
-def _split(module: str, record: LayerRecord, e: int, rows: int) -> list[tuple[str, int, int]]:
-    out, start = [], 0
-    for proj, share in _expert_names(record):
-        n = int(rows * share)
-        out.append((f"{module}.{e}.{proj}", start, start + n))
-        start += n
-    return out
+def _expert_outputs(module: str, record: LayerRecord, e: int, rows: int) -> list[tuple[str, slice]]:
+    return [(f"{module}.{e}.{proj}", _ROWS[sel](rows)) for proj, sel in record.projections or []]
 
 
 def plan(sd: dict[str, torch.Tensor], meta: CheckpointMetadata
@@ -68,6 +70,8 @@ def plan(sd: dict[str, torch.Tensor], meta: CheckpointMetadata
     # what the training forward quantized: packed ZeRO-3 storage re-packs from the FP32 master; otherwise the
     # forward reads the BF16 module weight
     from_master = {r.name for r in records.values() if r.fp4} - set(meta.stored_bf16) if meta.stored_packed else set()
+    biases = {f"{r.name.rsplit('.', 1)[0]}.{r.bias}": r for r in records.values() if r.kind == "experts" and r.bias
+              and r.projections}
     units: list[Unit] = []
     rest: dict[str, torch.Tensor] = {}
     kept: list[str] = []
@@ -75,20 +79,21 @@ def plan(sd: dict[str, torch.Tensor], meta: CheckpointMetadata
     for key, value in sd.items():
         name = key.removesuffix(".weight") if key.endswith(".weight") else key
         r = records.get(name)
+        if key in biases:  # per-expert biases of a declared layout: split as their weights are
+            _split_bias(key, value, biases[key], rest)
+            continue
         if r is None or r.kind not in ("Linear", "Conv1D", "experts"):
-            if r is not None:  # a router or another GEMM kept BF16
+            if r is not None and r.kind == "router":
                 kept.append(name)
             rest[key] = value
             continue
-        if r.kind == "experts" and r.transposed:
-            raise ExportError(f"{name}: experts stored transposed ([E, K, N]) are not exported yet; use DeepSpeed's "
-                              "zero_to_fp32.py for their BF16 weights")
         module = name.rsplit(".", 1)[0] if r.kind == "experts" else name
         if not r.fp4:
-            if r.kind == "experts":  # per-expert names, as save_pretrained writes them
+            if r.kind == "experts" and r.projections:  # per-expert names, as engines and save_pretrained write them
                 for e in range(value.shape[0]):
-                    for out, a, b in _split(module, r, e, value.shape[1]):
-                        rest[f"{out}.weight"] = value[e, a:b]
+                    mat = value[e].t() if r.transposed else value[e]
+                    for out, rows in _expert_outputs(module, r, e, mat.shape[0]):
+                        rest[f"{out}.weight"] = mat[rows]
                         kept.append(out)
             else:
                 rest[key] = value
@@ -96,17 +101,27 @@ def plan(sd: dict[str, torch.Tensor], meta: CheckpointMetadata
             continue
         w = value if name in from_master else value.to(torch.bfloat16).float()
         if r.kind == "experts":
-            for e in range(w.shape[0]):
-                units.append(Unit(f"{name}.{e}", w[e], _split(module, r, e, w.shape[1]), amax_in.get(f"{name}.{e}")))
+            mats = w.view(r.experts, -1, w.shape[-1])  # a 2-D stacked parameter (DBRX) too
+            for e in range(r.experts):
+                mat = mats[e].t() if r.transposed else mats[e]
+                units.append(Unit(f"{name}.{e}", mat, _expert_outputs(module, r, e, mat.shape[0]),
+                                  amax_in.get(f"{name}.{e}"), kn=r.transposed, param=key, index=e))
         else:
-            units.append(Unit(name, w.t() if r.kind == "Conv1D" else w, [(name, 0, r.out_features)],
-                              amax_in.get(name), kn=r.kind == "Conv1D"))
+            units.append(Unit(name, w.t() if r.kind == "Conv1D" else w, [(name, slice(0, r.out_features))],
+                              amax_in.get(name), kn=r.kind == "Conv1D", param=key))
     missing = [n for n, r in records.items() if r.fp4 and not any(u.key == n or u.key.startswith(f"{n}.")
                                                                   for u in units)]
     if missing:
         raise ExportError(f"layers {missing} are NVFP4 in the checkpoint's ds_nvfp4.json but have no weight in it")
     groups, requantized = _share(units, meta)
     return units, rest, sorted(set(kept)), groups, requantized
+
+
+def _split_bias(key: str, value: torch.Tensor, r: LayerRecord, rest: dict[str, torch.Tensor]) -> None:
+    module = r.name.rsplit(".", 1)[0]
+    for e in range(value.shape[0]):
+        for out, rows in _expert_outputs(module, r, e, value.shape[1]):
+            rest[f"{out}.bias"] = value[e][rows]
 
 
 def _share(units: list[Unit], meta: CheckpointMetadata) -> tuple[list[list[str]], list[str]]:

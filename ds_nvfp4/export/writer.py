@@ -98,29 +98,48 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, ta
     if fmt != "bf16" and meta.activation_hadamard:
         raise ExportError("precision.activations.hadamard was on: the forward multiplied Hadamard-rotated weight "
                           "codes, which no inference engine applies; export --format bf16 instead")
+    unnamed = sorted({u.param for u in units if not u.outputs})
+    if unnamed and fmt != "bf16":
+        raise ExportError(f"{', '.join(unnamed[:3])}: experts run through their own forward (no declared per-expert "
+                          "layout), so ds_nvfp4 does not know the per-expert names an NVFP4 loader reads for them; "
+                          "export --format bf16 (docs/moe.md lists the families)")
+    if unnamed and meta.weight_block != "16x16":
+        raise ExportError(f"{', '.join(unnamed[:3])}: experts run through their own forward were trained with 1x16 "
+                          "weight blocks along a K only their forward knows; their weights cannot be re-quantized "
+                          "exactly here (16x16 tiles can)")
     scheme, reason = _scheme(fmt, units, groups, weight_only)
     tensors: dict[str, torch.Tensor] = {k: v.to(torch.bfloat16).contiguous() for k, v in rest.items()}
     written: list[str] = []
+    dequantized: dict[str, torch.Tensor] = {}  # BF16: state-dict key -> the forward's weight in its stored layout
     for u in units:
         q = quantize(u.source, block=meta.weight_block, amax=u.amax, **meta.weight_quantization)
-        for name, a, b in u.outputs:
+        if fmt == "bf16":
+            w = q.dequantize(torch.bfloat16)
+            w = w.t() if u.kn else w
+            if u.index is None:
+                dequantized[u.param] = w.contiguous()
+            else:
+                dequantized.setdefault(u.param, torch.empty(sd[u.param].shape, dtype=torch.bfloat16)) \
+                    .view(-1, *w.shape)[u.index] = w
+        for name, rows in u.outputs:
             written.append(name)
             if fmt == "bf16":
-                w = q.dequantize(torch.bfloat16)[a:b]
-                tensors[f"{name}.weight"] = (w.t() if u.kn else w).contiguous()
+                w = q.dequantize(torch.bfloat16)[rows]
+                tensors[f"{name}.weight"] = (w.t() if u.kn and u.index is None else w).contiguous()
             else:
-                tensors.update(nvfp4_tensors(fmt, name, q, slice(a, b), u.input_amax if scheme == "W4A4" else None))
+                tensors.update(nvfp4_tensors(fmt, name, q, rows, u.input_amax if scheme == "W4A4" else None))
+    for key in unnamed:  # not an HF model: the parameter under its own name
+        tensors[key] = dequantized[key]
     notes = []
     if fmt != "bf16" and any(u.kn for u in units):
         notes.append("Conv1D layers are written in the [out, in] layout NVFP4 loaders read (vLLM's GPT-2); "
                      "transformers' compressed-tensors integration quantizes nn.Linear only, so load this model "
                      "in transformers from a --format bf16 export")
-    if fmt != "bf16" and any(".experts." in n for u in units for n, _, _ in u.outputs):
-        # seen with transformers 5.24 (Qwen3-MoE): the fused experts classes are not nn.Linear, so its
-        # compressed-tensors integration leaves their weights undecompressed (garbage) instead of failing
+    if fmt != "bf16" and any(u.index is not None for u in units):
         notes.append("MoE experts are written under per-expert names (vLLM's and TensorRT-LLM's fused-MoE loaders "
-                     "read them); transformers' from_pretrained does not decompress NVFP4 experts of its fused "
-                     "experts classes, so load this model in transformers from a --format bf16 export")
+                     "read them); transformers' from_pretrained cannot load NVFP4 experts into its fused experts "
+                     "classes (it raises or leaves them undecompressed, per family: docs/moe.md), so load this "
+                     "model in transformers from a --format bf16 export")
     files: dict[str, dict | None] = {"model.safetensors": None}
     hf_config = _hf_config(ckpt)
     if fmt == "nvfp4-modelopt":
@@ -135,7 +154,14 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, ta
         files["config.json"] = hf_config
     elif fmt == "nvfp4-compressed-tensors":  # not an HF model: the quantization config alone, as before
         files["config.json"] = {"quantization_config": compressed_tensors_config(kept, scheme)}
-    _write(out, ckpt, tensors, files, hf_config is not None)
+    if fmt == "bf16" and hf_config is not None:
+        # transformers writes its own model: its names and layout for this family (fused or per expert), by
+        # construction what from_pretrained reads back
+        state = {k: v.to(torch.bfloat16) for k, v in sd.items()}
+        state.update(dequantized)
+        _write(out, ckpt, None, files, True, hf_state=(hf_config, state))
+    else:
+        _write(out, ckpt, tensors, files, hf_config is not None)
     return ExportSummary(fmt, sorted(written), kept, len(tensors), sorted(files), scheme, reason, groups,
                          requantized, hf_config is not None, notes)
 
@@ -159,8 +185,10 @@ def _scheme(fmt: str, units, groups: list[list[str]], weight_only: bool) -> tupl
     return "W4A4", "input amaxes recorded by training (max over ranks and steps)"
 
 
-def _write(out: Path, ckpt: Path, tensors: dict, files: dict, hf_model: bool) -> None:
-    """Everything to a temporary folder beside OUT, renamed into place (never half-written)."""
+def _write(out: Path, ckpt: Path, tensors: dict | None, files: dict, hf_model: bool,
+           hf_state: tuple[dict, dict] | None = None) -> None:
+    """Everything to a temporary folder beside OUT, renamed into place (never half-written). ``hf_state``:
+    ``(config, state dict)`` of a Hugging Face model that transformers' ``save_pretrained`` writes instead."""
     from safetensors.torch import save_file
 
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
@@ -168,9 +196,12 @@ def _write(out: Path, ckpt: Path, tensors: dict, files: dict, hf_model: bool) ->
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if hf_state is not None:
+            _save_pretrained(tmp, *hf_state)
+        else:
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for name, content in files.items():
-            if content is not None:
+            if content is not None and not (hf_state is not None and name == "config.json"):
                 (tmp / name).write_text(json.dumps(content, indent=2))
         for name in HF_FILES if hf_model else ():
             if (ckpt / name).is_file():
@@ -180,6 +211,26 @@ def _write(out: Path, ckpt: Path, tensors: dict, files: dict, hf_model: bool) ->
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _save_pretrained(tmp: Path, config: dict, state: dict[str, torch.Tensor]) -> None:
+    """Build the model of ``config`` on the meta device, give it ``state`` (BF16, its own parameter names) and let
+    transformers write it (``save_pretrained``: its file names, tensor names and per-family layout)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    tied = {k for k, v in model.state_dict().items() if v.is_meta}
+    if unexpected or (set(missing) - tied - set(getattr(model, "_tied_weights_keys", None) or ())):
+        model.tie_weights()
+        left = [k for k, v in model.state_dict().items() if v.is_meta]
+        if unexpected or left:
+            raise ExportError(f"the checkpoint's weights do not fit {type(model).__name__} built from its "
+                              f"config.json: missing {left[:4]}, unexpected {unexpected[:4]}")
+    model.tie_weights()
+    model.save_pretrained(tmp, safe_serialization=True)
 
 
 def _hf_config(ckpt: Path) -> dict | None:

@@ -75,6 +75,20 @@ def _gemm_weights(name: str, m: nn.Module, kind: str, site: ExpertsSite | None) 
     return [(name, "weight", (None, n_out, n_in), kind == "Conv1D")]
 
 
+def _projections(m: nn.Module, site: ExpertsSite, pname: str) -> tuple[list[list[str]] | None, str | None]:
+    """How an interface experts weight splits into the per-expert modules vLLM / TensorRT-LLM / llm-compressor
+    name (``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``), from the interface's declared layout (gate and
+    up concatenated or interleaved along N); and its bias parameter. (None, None) outside the interface."""
+    if site.execution != "interface":
+        return None, None
+    bias = f"{pname}_bias" if m.has_bias and hasattr(m, f"{pname}_bias") else None
+    if pname == "gate_up_proj":
+        halves = [["gate_proj", "first_half"], ["up_proj", "second_half"]] if m.is_concatenated else \
+            [["gate_proj", "even"], ["up_proj", "odd"]]
+        return halves, bias
+    return [[pname, "all"]], bias
+
+
 def _blocker(m: nn.Module, kind: str, recipe: Recipe, site: ExpertsSite | None) -> str | None:
     """A shape or layout reason why the module cannot run FP4 GEMMs, or None."""
     if kind == "Conv1D":
@@ -221,8 +235,10 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
         for label, pname, (e, n_out, n_in), transposed in gemms:
             param = m.get_parameter(pname)
             accounted.add(id(param))
+            projections, bias = _projections(m, site, pname) if kind == "experts" else (None, None)
             report.layers.append(LayerDecision(label, n_in, n_out, _numel(param), fp4, reason, kind=kind,
-                                               experts=e, transposed=transposed))
+                                               experts=e, transposed=transposed, projections=projections,
+                                               bias=bias))
 
     _account_rest(model, moe, accounted, report)
     _fuse(model, report, mods.fuse)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-
 #: the report kinds that are GEMM weights (the others: embedding, conv, unknown)
 _GEMM_KINDS = ("Linear", "Conv1D", "experts", "router")
 
@@ -23,6 +22,11 @@ class LayerDecision:
     kind: str = "Linear"           # Linear, Conv1D, experts, router; embedding, conv, unknown (no GEMM row)
     experts: int | None = None     # E for a 3-D experts weight
     transposed: bool = False       # stored [K, N] (Conv1D; experts of classes with is_transposed)
+    #: experts: how each expert's [N, K] matrix splits into the per-expert modules inference engines load,
+    #: ``[[module, rows], ...]`` with rows "all", "first_half", "second_half", "even" or "odd"; None where the
+    #: layout is not declared (experts run through their own forward)
+    projections: list[list[str]] | None = None
+    bias: str | None = None        # experts: the per-expert bias parameter ``[E, N]`` of this weight, if any
 
 
 @dataclass
@@ -93,9 +97,9 @@ class ConversionReport:
             lines.append(f"{len(self.fused_groups)} fused groups share one weight amax each (modules.fuse), e.g. "
                          f"{', '.join(self.fused_groups[0])}")
         if self.unknown:
+            names = ", ".join(d.name for d in self.unknown[:4]) + (", ..." if len(self.unknown) > 4 else "")
             lines.append(f"{len(self.unknown)} weights ds_nvfp4 cannot classify kept BF16 "
-                         f"({sum(d.params for d in self.unknown):,} parameters): {', '.join(d.name for d in self.unknown[:4])}"
-                         + (", ..." if len(self.unknown) > 4 else ""))
+                         f"({sum(d.params for d in self.unknown):,} parameters): {names}")
         lines += [f"MoE: {line}" for line in self.moe]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -32,7 +32,8 @@ def run(hf_trainer_run: Path) -> dict:
     meta = json.loads((ckpt / "global_step6" / "ds_nvfp4.json").read_text())
     layers = meta["conversion"]["layers"]
     return {"ckpt": ckpt, "seen": torch.load(hf_trainer_run / "forward_weights.pt"),
-            "nvfp4": [d["name"] for d in layers if d["fp4"]], "bf16": [d["name"] for d in layers if not d["fp4"]],
+            "nvfp4": [d["name"] for d in layers if d["fp4"]], "bf16": [d["name"] for d in layers if not d["fp4"]
+                                                                   and d["kind"] in ("Linear", "Conv1D", "router")],
             "fused": meta["conversion"]["fused_groups"]}
 
 

@@ -832,12 +832,14 @@ def scenario_families(rank: int, p: dict) -> dict:
         for mname, m in engine.module.named_modules():
             if not isinstance(m, FP4Module):
                 continue
-            for pname, param, _ in m.fp4_weights():
+            for pname, param, codes in m.fp4_weights():
                 if not engine.ds_nvfp4.store.entries[id(param)].packable:
                     continue
                 master = deepspeed.utils.safe_get_full_fp32_param(param)
+                if codes.stored_shape is not None:  # experts stacked in a 2-D parameter (DBRX): one matrix each
+                    master = master.view(codes.stored_shape)
                 with deepspeed.zero.GatheredParameters([param]):
-                    seen = param.data.clone()
+                    seen = param.data.clone().view(master.shape)
                 # one amax per expert matrix; a fused group's members (q, k, v) share the group's
                 peers = [deepspeed.utils.safe_get_full_fp32_param(engine.module.get_submodule(n).weight)
                          for n in group_of.get(mname, [mname])] if master.dim() == 2 else [master]
