@@ -164,6 +164,9 @@ def test_intercepted_experts_run_each_expert_gemm_fp4_as_the_reference(family: s
     torch.manual_seed(3)
     t = 10
     hidden = torch.randn(t * (4 if family == "llama4_text" else 1), 64)
+    def run():
+        return m(hidden) if family == "llama4_text" else m(hidden, idx, w)
+
     if family == "llama4_text":
         got = m(hidden)
         h = hidden.view(4, t, 64)
@@ -189,4 +192,9 @@ def test_intercepted_experts_run_each_expert_gemm_fp4_as_the_reference(family: s
             want.index_add_(0, token, _ref_linear(h, w2.t()) * w[token, slot, None])
     got = got.reshape(want.shape).float()
     assert torch.equal(got, want), (got - want).abs().max()
+    # with the weight cache on (ZeRO-0/1/2): the second forward reuses each expert's own codes
+    for codes in m.experts_codes.values():
+        codes.cache = True
+    for _ in range(2):
+        assert torch.equal(run().reshape(want.shape).float(), want)
     assert m.intercept is not None and not m.intercept["bf16"] and not m.intercept["unused"], m.intercept
