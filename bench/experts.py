@@ -1,65 +1,108 @@
-"""Forward+backward of one MoE experts module: FP4Experts (NVFP4 GEMMs per expert) vs the same module in BF16.
+"""Forward+backward of one MoE experts module: ds_nvfp4's grouped FP4 experts against transformers' own BF16 experts.
 
-Usage: python bench/experts.py [--experts 8] [--hidden 1024] [--intermediate 512] [--tokens 2048] [--top-k 2]
-                              [--repeats 3] [--json out.json]
-The module is transformers' ``Qwen3MoeExperts`` (eager loop) built from a config; the BF16 baseline is that class's
-own forward, measured in the same run. Reports median seconds and the ratio to the BF16 experts.
+Usage: python bench/experts.py [--experts 64] [--hidden 1024] [--intermediate 512] [--tokens 4096] [--top-k 8]
+                              [--repeats 5] [--json out.json]
+The module is transformers' ``Qwen3MoeExperts`` built from a config. Rows, all measured in the same run:
+
+* ``bf16 grouped_mm`` (the anchor): transformers' own ``grouped_mm`` experts implementation (torch's grouped GEMM);
+* ``bf16 eager``: transformers' eager loop (one GEMM pair per expert), when ``--eager``;
+* ``nvfp4 grouped``: ``FP4Experts`` (nn/experts.py), the default recipe (FP4 forward, BF16 backward).
+
+Reports the median seconds of ``--repeats`` timed calls (after 2 warm-ups), every call's time, the ratio to the
+anchor, and the machine (CPU model and BF16 units).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import statistics
+import time
 
 import torch
-from _timing import fwd_bwd_seconds, print_ratios
 from torch import nn
 
 import ds_nvfp4
+from ds_nvfp4.envcheck import machine
 from ds_nvfp4.nn import Recipe
 from ds_nvfp4.nn.experts import FP4Experts
+from ds_nvfp4.nn.moe import find_moe
 
 
-def build(experts: int, hidden: int, intermediate: int) -> nn.Module:
+def build(experts: int, hidden: int, intermediate: int, impl: str) -> nn.Module:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=intermediate, num_experts=experts,
                          num_experts_per_tok=2)
-    cfg._experts_implementation = "eager"
+    cfg._experts_implementation = impl
+    torch.manual_seed(0)
     m = Qwen3MoeExperts(cfg).to(torch.bfloat16)
     for p in m.parameters():
         nn.init.normal_(p, std=0.02)
     return m
 
 
-def fwd_bwd_time(m: nn.Module, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, repeats: int) -> float:
-    return fwd_bwd_seconds(m, x, torch.randn_like(x), repeats, idx, w)
+def timed(module: nn.Module, x, idx, w, repeats: int) -> list[float]:
+    grad = torch.randn_like(x)
+
+    def once() -> None:
+        xi = x.detach().requires_grad_()
+        module.zero_grad(set_to_none=True)
+        module(xi, idx, w).backward(grad)
+
+    for _ in range(2):
+        once()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=512)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--eager", action="store_true", help="also time transformers' eager loop (slow with 64 experts)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    torch.manual_seed(0)
     kernel = ds_nvfp4.kernels.select(None).name
-    bf16 = build(args.experts, args.hidden, args.intermediate)
-    fp4 = FP4Experts.convert(copy.deepcopy(bf16), Recipe(kernel=kernel))
-    x = torch.randn(args.tokens, args.hidden, dtype=torch.bfloat16)
-    idx = torch.stack([torch.randperm(args.experts)[: args.top_k] for _ in range(args.tokens)])
-    w = torch.softmax(torch.randn(args.tokens, args.top_k), -1).to(torch.bfloat16)
-    rows = {"experts bf16 (transformers eager)": fwd_bwd_time(bf16, x, idx, w, args.repeats),
-            "FP4Experts, mission recipe (bf16 backward)": fwd_bwd_time(fp4, x, idx, w, args.repeats)}
-    print_ratios(rows, "experts bf16 (transformers eager)",
-                 f"{args.experts} experts, H={args.hidden}, I={args.intermediate}, {args.tokens} tokens "
-                 f"top-{args.top_k}, kernel {kernel}, {torch.get_num_threads()} threads, median of {args.repeats}",
-                 "vs bf16 experts", args.json, "ratio_to_bf16_experts")
+    anchor = build(args.experts, args.hidden, args.intermediate, "grouped_mm")
+    holder = nn.Module()
+    holder.experts, holder.gate = copy.deepcopy(anchor), nn.Linear(args.hidden, args.experts, bias=False)
+    fp4 = FP4Experts.convert(holder.experts, Recipe(kernel=kernel), find_moe(holder).site_of("experts"))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.tokens, args.hidden, generator=g).to(torch.bfloat16)
+    w, idx = torch.randn(args.tokens, args.experts, generator=g).softmax(-1).topk(args.top_k, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    rows = {"bf16 grouped_mm (transformers)": timed(anchor, x, idx, w, args.repeats)}
+    if args.eager:
+        rows["bf16 eager (transformers)"] = timed(build(args.experts, args.hidden, args.intermediate, "eager"),
+                                                  x, idx, w, args.repeats)
+    rows["nvfp4 grouped (FP4Experts)"] = timed(fp4, x, idx, w, args.repeats)
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    anchor_s = med["bf16 grouped_mm (transformers)"]
+    where = machine()
+    print(f"{args.experts} experts, top-{args.top_k}, H={args.hidden}, I={args.intermediate}, {args.tokens} tokens, "
+          f"forward+backward; kernel {kernel}; {torch.get_num_threads()} threads; median of {args.repeats}; "
+          f"{where['name']} ({where['bf16_gemm']})")
+    print(f"{'':34s} {'s':>8s} {'vs grouped_mm':>14s}")
+    for name, s in med.items():
+        print(f"{name:34s} {s:8.3f} {s / anchor_s:13.2f}x")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "machine": where, "kernel": kernel, "threads": torch.get_num_threads(),
+                       "rows": {k: {"seconds": v, "median": med[k], "ratio_to_grouped_mm": med[k] / anchor_s}
+                                for k, v in rows.items()}},
+                      fh, indent=2)
+
 
 if __name__ == "__main__":
     main()

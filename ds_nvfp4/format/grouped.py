@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import _kernels
+from ._compile import compiled
 from .constants import BLOCK_SIZE, E4M3_MAX, FLT_MAX, GLOBAL_SCALE_NUMERATOR
 
 _F32 = torch.float32
@@ -76,13 +77,30 @@ def quantize_grouped(x: torch.Tensor, row_group: torch.Tensor, groups: int, *, b
         raise ValueError(f"block='16x16' needs M a multiple of {BLOCK_SIZE}, got {tuple(x.shape)}")
     if not x.is_contiguous():
         x = x.contiguous()
-    bamax = _kernels.block_amax(x, block)
-    tile_group = row_group if block == "1x16" else row_group[::BLOCK_SIZE]
+    tile_group = row_group if block == "1x16" else row_group[::BLOCK_SIZE].contiguous()
+    values, codes, scale, used = _quantize_operand_grouped(x, tile_group, groups, amax, block, dtype, keep_codes)
+    return values, used, (codes if keep_codes else None), scale
+
+
+def _quantize_grouped_cpp(x, tile_group, groups, amax, block, dtype, want_codes):
+    """The C++ twin (``csrc/nvfp4_cpu.cpp``: one call), or None where it does not apply."""
+    ext = _kernels._cpu_ext_for(x, dtype)
+    if ext is None:
+        return None
+    return tuple(ext.quantize_operand_grouped(x, tile_group, groups, amax, 1 if block == "1x16" else BLOCK_SIZE,
+                                              dtype == torch.bfloat16, want_codes))
+
+
+@compiled(native=_quantize_grouped_cpp)
+def _quantize_operand_grouped(x: torch.Tensor, tile_group: torch.Tensor, groups: int, amax: torch.Tensor | None,
+                              block: str, dtype: torch.dtype, want_codes: bool):
+    """The definition: ``(values, codes or empty, scale, used amax [groups])`` (block amaxes, the groups' scales,
+    codes and values in the float32 order of ``_kernels``)."""
+    bamax = _kernels.block_amax.fn(x, block)
     local = group_amax(bamax, tile_group, groups)
     used, scale, enc = scales_grouped(bamax, tile_group, local, amax)
-    codes = _kernels.encode_nearest(x, enc, block)
-    values = _kernels.block_values(codes, scale, block, dtype)
-    return values, used, (codes if keep_codes else None), scale
+    values, codes = _kernels.encode_values(x, enc, scale, block, dtype, want_codes)
+    return values, codes, scale, used
 
 
 def group_rows(offsets: torch.Tensor, rows: int) -> torch.Tensor:

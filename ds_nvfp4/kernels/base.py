@@ -100,11 +100,11 @@ class GemmBackend(ABC):
         ``[groups]`` overrides), in one call: ``format.grouped.quantize_grouped`` into this backend's operand."""
         raise NotImplementedError(f"{self.name}: no grouped GEMM (one GEMM per expert instead)")
 
-    def grouped_linear(self, a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, row_group: torch.Tensor,
-                       bias_rows: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out [M, N], nonfinite)``: row ``i`` of ``a`` (group ``g = row_group[i]``, rows sorted by group,
-        group ``g`` ending at ``offsets[g]``) times ``b``'s group ``g`` (``[N, K]`` of the stacked ``[G*N, K]``),
-        FP32 accumulation, both groups' decode scales applied, plus ``bias_rows [M, N]``."""
+    def grouped_linear(self, a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, bias: torch.Tensor | None,
+                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [M, N], nonfinite)``: the rows of ``a``'s group ``g`` (rows sorted by group, group ``g`` ending at
+        ``offsets[g]``) times ``b``'s group ``g`` (``[N, K]`` of the stacked ``[G*N, K]``), FP32 accumulation, both
+        groups' decode scales applied, plus ``bias[g]`` (``bias`` ``[G, N]``)."""
         raise NotImplementedError(f"{self.name}: no grouped GEMM (one GEMM per expert instead)")
 
     def linear(self, a: NVFP4Storage | Operand, b: NVFP4Storage | Operand, bias: torch.Tensor | None,

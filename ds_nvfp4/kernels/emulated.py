@@ -45,25 +45,28 @@ def matmul_acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a @ b
 
 
-def grouped_mm_acc(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``[M, N]``: rows of group ``g`` of ``a`` ``[M, K]`` times ``b[g].T`` (``b`` ``[G, N, K]``), exact operands,
-    FP32 accumulation (rounded once to BF16 where the library returns BF16). Rows past ``offsets[-1]`` are 0.
+def grouped_linear_acc(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, alpha: torch.Tensor,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [M, N], nonfinite)``: rows of group ``g`` of ``a`` ``[M, K]`` times ``b[g].T`` (``b`` ``[G, N, K]``;
+    exact operand values, FP32 accumulation), then the epilogue of group ``g`` (``alpha[g]`` and ``bias[g]``, as
+    :func:`_kernels.epilogue`). Rows past ``offsets[-1]`` are 0.
 
-    FP32 operands (the bit-exact mode) run :func:`matmul_acc` per group, the very GEMM of the per-expert path; BF16
-    operands one ``torch.nn.functional.grouped_mm`` where its kernel beats a loop (CUDA), else one GEMM per group
-    after a single read of the offsets (CPU: oneDNN's GEMM is several times faster than torch's CPU grouped_mm,
-    bench/experts.py)."""
-    if a.dtype == torch.bfloat16 and a.is_cuda and hasattr(torch.nn.functional, "grouped_mm"):
-        out = torch.nn.functional.grouped_mm(a, b.transpose(1, 2), offs=offsets.to(torch.int32))
-        rows = torch.arange(a.shape[0], device=a.device)
-        return torch.where((rows < offsets[-1]).unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=a.device))
-    out = a.new_zeros(a.shape[0], b.shape[1], dtype=torch.float32 if a.dtype == torch.float32 else a.dtype)
+    One host read of the offsets, then per group one GEMM (:func:`matmul_acc`, the per-expert path's very GEMM, so
+    FP32 operands are bit-exact) and its epilogue in one pass (C++ on CPU): on CPU oneDNN's GEMM is faster than
+    torch's grouped_mm, which is itself a loop of GEMMs there (bench/experts.py)."""
+    out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    bad = torch.zeros((), dtype=torch.bool, device=a.device)
     start = 0
-    for g, end in enumerate(offsets.tolist()):  # one host read for all groups
+    for g, end in enumerate(offsets.tolist()):
         if end > start:
-            out[start:end] = matmul_acc(a[start:end], b[g].t())
+            part, flag = _kernels.epilogue(matmul_acc(a[start:end], b[g].t()), alpha[g],
+                                           None if bias is None else bias[g], out_dtype)
+            out[start:end] = part
+            bad = bad | flag
         start = end
-    return out
+    if start < a.shape[0]:
+        out[start:] = 0
+    return out, bad
 
 
 class EmulatedBackend(GemmBackend):
@@ -106,19 +109,15 @@ class EmulatedBackend(GemmBackend):
                                                      dtype=self.operand_dtype(x.device), keep_codes=keep_codes)
         return GroupedOperand(used, scale, data, values, block)
 
-    def grouped_linear(self, a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, row_group: torch.Tensor,
-                       bias_rows: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def grouped_linear(self, a: GroupedOperand, b: GroupedOperand, offsets: torch.Tensor, bias: torch.Tensor | None,
+                       out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         groups = offsets.numel()
-        acc = grouped_mm_acc(a.values, b.values.view(groups, -1, b.values.shape[1]), offsets)
-        # each row's alpha: the product of its group's two decode scales, in global_alpha's float32 order
+        # each group's alpha: the product of its two decode scales, in global_alpha's float32 order
         inv = torch.tensor(1.0 / (GLOBAL_SCALE_NUMERATOR * GLOBAL_SCALE_NUMERATOR), dtype=torch.float32,
-                           device=acc.device)
-        alpha = ((a.amax * b.amax) * inv)[row_group].unsqueeze(1)
-        out = acc.to(torch.float32) * alpha
-        if bias_rows is not None:
-            out = out + bias_rows.to(torch.float32)
-        out = out.to(out_dtype)
-        return out, ~torch.isfinite(out).all()
+                           device=a.amax.device)
+        return grouped_linear_acc(a.values, b.values.view(groups, -1, b.values.shape[1]), offsets,
+                                  (a.amax * b.amax) * inv, bias, out_dtype)
+
 
     def linear(self, a: NVFP4Storage | Operand, b: NVFP4Storage | Operand, bias: torch.Tensor | None,
                out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,12 +58,16 @@ def _weight_operand(backend, codes: GroupedCodes, recipe: Recipe) -> GroupedOper
 
 
 def dequantize_experts(codes: GroupedCodes, recipe: Recipe, dtype: torch.dtype) -> torch.Tensor:
-    """``[E, N, K]`` ``dtype``: each expert's codes decoded with its amax (``NVFP4Storage.dequantize`` per expert)."""
+    """``[E, N, K]`` ``dtype``: each expert's codes decoded with its amax, bit for bit ``NVFP4Storage.dequantize``
+    per expert, in one pass (the decode factor ``s_b * amax_e / (6 bound)`` per block row)."""
     data, scale, amax = codes
     e, n, half = data.shape
-    bound = float(recipe.weight_bound) if recipe.weight_scaling != "6" else 448.0
-    return torch.stack([NVFP4Storage(data[i], scale[i], amax[i], torch.Size((n, 2 * half)), recipe.weight_block,
-                                     bound).dequantize(dtype) for i in range(e)])
+    numerator = 6.0 * (float(recipe.weight_bound) if recipe.weight_scaling != "6" else 448.0)
+    rows = scale.shape[1]  # N (1x16) or N/16 (16x16)
+    amax_rows = amax.float().repeat_interleave(rows).unsqueeze(1)
+    out = _kernels.decode_bounded(data.reshape(e * n, half), scale.reshape(e * rows, -1), amax_rows,
+                                  recipe.weight_block, dtype, numerator / 6.0)
+    return out.view(e, n, 2 * half)
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -73,21 +77,18 @@ class _GroupedLinear(torch.autograd.Function):
             backend = get_backend(recipe.kernel)
             codes = cached if cached is not None else quantize_experts(weight.detach(), recipe, weight_amax)
             e, n, _ = weight.shape
-            bias_rows = bias[row_group] if bias is not None else None
             xin = hadamard(x) if recipe.act_hadamard else x
             if recipe.forward_gemm == "bf16":  # the schedule's late switch: BF16 Fprop, the FP4 backward keeps codes
-                out = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device=x.device)
-                start = 0
-                for g, end in enumerate(offsets.tolist()):
-                    out[start:end] = _bf16_gemm(x[start:end], weight[g].t())
-                    start = end
-                out = (out.float() + (bias_rows.float() if bias_rows is not None else 0)).to(out_dtype)
+                out = _grouped_bf16(x, weight.transpose(1, 2), offsets)
+                if bias is not None:
+                    out = out.float() + bias[row_group].float()
+                out = out.to(out_dtype)
                 x_amax = _group_absmax(x, row_group, e)
                 bad = ~torch.isfinite(out).all()
             elif backend.grouped:
                 xo = backend.quantize_grouped(xin.contiguous(), row_group, e, block="1x16")
-                out, bad = backend.grouped_linear(xo, _weight_operand(backend, codes, recipe), offsets, row_group,
-                                                  bias_rows, out_dtype)
+                out, bad = backend.grouped_linear(xo, _weight_operand(backend, codes, recipe), offsets, bias,
+                                                  out_dtype)
                 x_amax = _group_absmax(x, row_group, e) if recipe.act_hadamard else xo.amax
             else:  # a backend without a grouped GEMM: one FP4 GEMM per expert, one host read of the offsets
                 out, x_amax, bad = _per_expert_forward(backend, xin, codes, bias, offsets, recipe, out_dtype)
@@ -166,23 +167,29 @@ def _per_expert_forward(backend, x, codes: GroupedCodes, bias, offsets, recipe: 
 
 
 def _grouped_bf16(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``a [M, K] @ b[g] [K, N]`` per group as BF16 GEMMs (FP32 accumulation, BF16 result)."""
-    out = a.new_zeros(a.shape[0], b.shape[2], dtype=torch.bfloat16)
+    """``a [M, K] @ b[g] [K, N]`` per group as BF16 GEMMs (FP32 accumulation, BF16 result), written in place."""
+    a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    out = torch.empty(a.shape[0], b.shape[2], dtype=torch.bfloat16, device=a.device)
     start = 0
     for g, end in enumerate(offsets.tolist()):
         if end > start:
-            out[start:end] = _bf16_gemm(a[start:end], b[g])
+            torch.mm(a[start:end], b[g], out=out[start:end])
         start = end
+    if start < a.shape[0]:
+        out[start:] = 0
     return out
 
 
 def _grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, groups: int) -> torch.Tensor:
     """``[E, N, K]``: ``grad_g^T @ x_g`` per group as BF16 GEMMs (0 for an expert without tokens)."""
-    out = grad.new_zeros(groups, grad.shape[1], x.shape[1], dtype=torch.bfloat16)
+    grad, x = grad.to(torch.bfloat16), x.to(torch.bfloat16)
+    out = torch.empty(groups, grad.shape[1], x.shape[1], dtype=torch.bfloat16, device=grad.device)
     start = 0
     for g, end in enumerate(offsets.tolist()):
         if end > start:
-            out[g] = _bf16_gemm(grad[start:end].t(), x[start:end])
+            torch.mm(grad[start:end].t(), x[start:end], out=out[g])
+        else:
+            out[g] = 0
         start = end
     return out
 

@@ -197,21 +197,29 @@ static void encode_values_rows(const T* __restrict x, const float* __restrict en
       for (int64_t b = 0; b < nb; ++b) {
         const float e = er[b];
         const float s = sr[b];
-        float y[16];
-        for (int j = 0; j < 16; ++j) y[j] = to_f32(xr[b * 16 + j]) * e;
-        // the grid value straight from the same comparisons as code_of (no table gather, so it vectorises):
-        // steps of 0.5 up to 2, of 1 up to 4, then 6; the sign is the IEEE sign of y (code 8 -> -0.0)
+        uint32_t idx[16], sign[16];
+        float val[16];
+        // one chain of comparisons (those of code_of) gives both the code and the grid value: steps of 0.5 up to 2,
+        // of 1 up to 4, then 6 (selects, no table gather, so it vectorises); the sign is the IEEE sign of y (code 8
+        // -> -0.0). value = mag * s has at most 6 significant bits, so its cast is exact (cast_exact).
         for (int j = 0; j < 16; ++j) {
-          const float a = std::fabs(y[j]);
-          const float mag = 0.5f * ((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f)) +
-                            1.0f * ((a > 2.5f) + (a >= 3.5f)) + 2.0f * (a > 5.0f);
-          vrow[b * 16 + j] = cast(std::copysign(mag, y[j]) * s);
+          const float y = to_f32(xr[b * 16 + j]) * e;
+          const float a = std::fabs(y);
+          const uint32_t i = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) +
+                             (a > 5.0f);
+          const float mag = i <= 4u ? 0.5f * static_cast<float>(i) : (i == 7u ? 6.0f : static_cast<float>(i) - 2.0f);
+          uint32_t bits;
+          std::memcpy(&bits, &y, 4);
+          idx[j] = i;
+          sign[j] = bits >> 31;
+          val[j] = std::copysign(mag, y) * s;
         }
+        for (int j = 0; j < 16; ++j) vrow[b * 16 + j] = cast(val[j]);
         if (codes != nullptr) {
-          uint8_t c[16];
-          for (int j = 0; j < 16; ++j) c[j] = code_of(y[j]);
           uint8_t* crow = codes + r * (k / 2);
-          for (int j = 0; j < 8; ++j) crow[b * 8 + j] = static_cast<uint8_t>(c[2 * j] | (c[2 * j + 1] << 4));
+          for (int j = 0; j < 8; ++j)
+            crow[b * 8 + j] = static_cast<uint8_t>((idx[2 * j] | (sign[2 * j] << 3)) |
+                                                   ((idx[2 * j + 1] | (sign[2 * j + 1] << 3)) << 4));
         }
       }
     }
@@ -231,7 +239,12 @@ std::vector<torch::Tensor> encode_values(torch::Tensor x, torch::Tensor enc, tor
   uint8_t* cp = want_codes ? codes.data_ptr<uint8_t>() : nullptr;
   const float* e = enc.data_ptr<float>();
   const float* s = scale.data_ptr<float>();
-  auto to_bf16 = [](float v) { return to_bf16_bits(v); };
+  // the values are exact in bfloat16 (<= 6 significant bits): truncation is the rounding, and keeps NaN a NaN
+  auto to_bf16 = [](float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    return static_cast<uint16_t>(bits >> 16);
+  };
   auto same = [](float v) { return v; };
   if (x.scalar_type() == torch::kFloat32) {
     const float* xp = x.data_ptr<float>();
@@ -355,6 +368,88 @@ std::vector<torch::Tensor> quantize_operand(torch::Tensor x, c10::optional<torch
   return {out[0], torch::empty({0}, x.options().dtype(torch::kUInt8)), scale, used_t};
 }
 
+// quantize_operand for groups of rows, each group with its own per-tensor amax (MoE: each expert's tokens, or each
+// expert's weight stacked to [E*N, K]); row_group names the group of each block row (of each row for 1x16, of each
+// 16-row tile for 16x16). The same float32 steps per group as quantize_operand (format/grouped.py is the eager
+// definition): a group's local amax is the NaN-propagating max of its block amaxes (0 without rows), the given
+// amax replaces it, a non-finite one poisons the group.
+std::vector<torch::Tensor> quantize_operand_grouped(torch::Tensor x, torch::Tensor row_group, int64_t groups,
+                                                    c10::optional<torch::Tensor> amax, int64_t row_div, bool bf16,
+                                                    bool want_codes) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0, "x: contiguous [M, K], K % 16 == 0");
+  const int64_t m = x.size(0), k = x.size(1), nb = k / 16;
+  const int64_t rows = (m + row_div - 1) / row_div;
+  TORCH_CHECK(row_group.scalar_type() == torch::kInt64 && row_group.numel() == rows, "row_group: int64, per block row");
+  auto rg_t = row_group.contiguous();
+  const int64_t* rg = rg_t.data_ptr<int64_t>();
+  auto f32 = x.options().dtype(torch::kFloat32);
+  auto bamax = torch::empty({rows, nb}, f32);
+  float* ba = bamax.data_ptr<float>();
+  if (x.scalar_type() == torch::kFloat32) {
+    block_amax_rows<float>(x.data_ptr<float>(), ba, m, k, row_div);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
+    block_amax_rows<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), ba, m, k, row_div);
+  }
+  std::vector<float> local(groups, 0.0f);
+  std::vector<char> seen(groups, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t g = rg[r];
+    TORCH_CHECK(g >= 0 && g < groups, "row_group: out of range");
+    float v = seen[g] ? local[g] : -std::numeric_limits<float>::infinity();
+    for (int64_t b = 0; b < nb; ++b) v = nan_max(v, ba[r * nb + b]);
+    local[g] = v;
+    seen[g] = 1;
+  }
+  const float* given = nullptr;
+  torch::Tensor amax_c;
+  if (amax.has_value()) {
+    amax_c = amax->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(amax_c.numel() == groups, "amax: one float32 per group");
+    given = amax_c.data_ptr<float>();
+  }
+  const float flt_max = std::numeric_limits<float>::max();
+  auto used_t = torch::empty({groups}, f32);
+  float* used = used_t.data_ptr<float>();
+  std::vector<float> s_enc6(groups), s_dec(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    const float lg = seen[g] ? local[g] : 0.0f;
+    float u = given ? given[g] : lg;
+    if (!(std::isfinite(lg) && std::isfinite(u))) u = std::numeric_limits<float>::quiet_NaN();
+    used[g] = u;
+    float se = 2688.0f / u;
+    if (u == 0.0f || se == 0.0f) se = 1.0f;
+    if (se > flt_max) se = flt_max;
+    s_dec[g] = 1.0f / se;
+    s_enc6[g] = se * (1.0f / 6.0f);
+  }
+  auto scale = torch::empty({rows, nb}, x.options().dtype(at::kFloat8_e4m3fn));
+  auto scale_f = torch::empty({rows, nb}, f32);
+  auto enc = torch::empty({rows, nb}, f32);
+  uint8_t* sb = reinterpret_cast<uint8_t*>(scale.data_ptr());
+  float* sf = scale_f.data_ptr<float>();
+  float* ef = enc.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t g = rg[r];
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t i = r * nb + b;
+      float t = ba[i] * s_enc6[g];
+      if (t > 448.0f) t = 448.0f;
+      uint8_t qb;
+      float qf;
+      e4m3_of_nonnegative(t, &qb, &qf);
+      sb[i] = qb;
+      sf[i] = qf;
+      float e = 1.0f / (qf * s_dec[g]);
+      if (e > flt_max) e = flt_max;
+      ef[i] = e;
+    }
+  }
+  auto out = encode_values(x, enc, scale_f, row_div, bf16, want_codes);
+  if (want_codes) return {out[0], out[1], scale, used_t};
+  return {out[0], torch::empty({0}, x.options().dtype(torch::kUInt8)), scale, used_t};
+}
+
 static inline float widen(uint16_t v) { return to_f32(v); }
 static inline float widen(float v) { return v; }
 static inline void store(uint16_t* o, float y, unsigned* bad) {
@@ -423,5 +518,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("encode_values", &encode_values);
   mod.def("encode_stochastic", &encode_stochastic);
   mod.def("quantize_operand", &quantize_operand);
+  mod.def("quantize_operand_grouped", &quantize_operand_grouped);
   mod.def("epilogue", &epilogue);
 }
