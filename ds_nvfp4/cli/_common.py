@@ -10,19 +10,14 @@ def bad_input(command: str, exc: Exception) -> int:
     return 2
 
 
-def model_traffic(model: str, ds: dict, pc) -> tuple[object, str]:
-    """``(StepTraffic, label)`` of ``model`` trained with ds_config ``ds`` (precision ``pc``).
-
-    ``model``: a reference GPT preset (``20m``, ``moe-5m``, ...) or a Hugging Face model directory / config.json
-    (built on the meta device: no weights are read or allocated). Raises ValueError naming the allowed values.
-    """
+def meta_model(model: str) -> tuple[object, str]:
+    """``(module on the meta device, label)``: a reference GPT preset (``20m``, ``moe-5m``, ...) or a Hugging Face
+    model directory / config.json (no weights are read or allocated). Raises ValueError naming the allowed values."""
     from pathlib import Path
 
     import torch
 
     from ..evaluation.gpt import GPT, MOE_PRESETS, PRESETS, model_spec
-    from ..nn.convert import convert_model
-    from ..zero.traffic import step_traffic
 
     path = Path(model)
     with torch.device("meta"):
@@ -36,6 +31,16 @@ def model_traffic(model: str, ds: dict, pc) -> tuple[object, str]:
         else:
             raise ValueError(f"--model {model!r}: not a reference preset ({', '.join([*PRESETS, *MOE_PRESETS])}) "
                              "and no such Hugging Face model directory or config.json")
+    return net, label
+
+
+def model_traffic(model: str, ds: dict, pc) -> tuple[object, str]:
+    """``(StepTraffic, label)`` of ``model`` (:func:`meta_model`) trained with ds_config ``ds`` (precision
+    ``pc``)."""
+    from ..nn.convert import convert_model
+    from ..zero.traffic import step_traffic
+
+    net, label = meta_model(model)
     params = sum(p.numel() for p in {id(p): p for p in net.parameters()}.values())
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     packed = convert_model(net, pc).fp4_params if pc.enabled and pc.stored_packed(stage) else 0
@@ -54,3 +59,23 @@ def traffic_lines(model: str, ds: dict, pc) -> list[str]:
     return [f"  ZeRO-3 traffic per optimizer step and rank ({label}): {t.describe()}.",
             "    (textbook ZeRO-3: gathered for the forward and again for the backward; ring collectives put "
             "(N-1)/N of it on each rank's link; docs/scaling.md)"]
+
+
+def conversion_lines(model: str, pc) -> list[str]:
+    """What ``convert_model`` makes of ``model`` (:func:`meta_model`) under ``pc``: the GEMM weights by kind and
+    precision, each MoE experts module found (how it runs, its router), and every weight of unknown role."""
+    from ..nn.convert import convert_model
+
+    net, label = meta_model(model)
+    report = convert_model(net, pc)
+    gemm = [d for d in report.layers if d.kind in ("Linear", "Conv1D", "experts", "router")]
+    lines = [f"  Conversion of {label}: {len(report.converted)} of {len(gemm)} GEMM weights NVFP4 "
+             f"({report.fp4_by_kind()}); {report.fp4_params / max(1, report.fp4_params + report.bf16_params):.1%} "
+             "of all parameters."]
+    lines += [f"    MoE: {line}" for line in report.moe]
+    experts_bf16 = [d for d in report.layers if d.kind == "experts" and not d.fp4]
+    lines += [f"    experts kept BF16: {d.name}: {d.reason}" for d in experts_bf16[:6]]
+    lines += [f"    {d.name}: {d.reason}" for d in report.unknown[:6]]
+    if len(report.unknown) > 6:
+        lines.append(f"    ... and {len(report.unknown) - 6} more weights of unknown role (kept BF16)")
+    return lines

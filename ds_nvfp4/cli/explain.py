@@ -33,8 +33,9 @@ def describe(ds: dict, pc: PrecisionConfig) -> list[str]:
         "what it means:",
         f"  FP4 GEMMs: {fp4} of the converted Linear layers; BF16: {bf16_gemms}.",
         "  Always BF16: attention BMMs, softmax, norms, embeddings, the LM head and every excluded layer.",
-        "  Converted: nn.Linear, GPT-2 Conv1D and MoE experts (3-D expert weights; routers stay BF16) whose names "
-        f"match {pc.modules.include} minus {pc.modules.exclude}" + _block_rules(pc) + ".",
+        "  Converted: nn.Linear, GPT-2 Conv1D and MoE experts (found by what they are: parameters holding several "
+        "experts' matrices, lists of per-expert modules; routers, found by their role, stay BF16) whose names "
+        f"match {pc.modules.include} minus {pc.modules.exclude}" + _block_rules(pc) + " (`--model` lists them).",
         *(f"  modules.overrides[{i}]: {r.match!r} -> {r.precision} (checked first, in this order)"
           for i, r in enumerate(pc.modules.overrides)),
         f"  Weights quantized with {pc.weights.block} blocks; activations 1x16 with a per-tensor dynamic amax"
@@ -98,9 +99,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     lines = describe(ds, pc)
     if args.model:
-        from ._common import bad_input, traffic_lines
+        from ._common import bad_input, conversion_lines, traffic_lines
 
         try:
+            if pc.enabled:
+                lines += conversion_lines(args.model, pc)
             lines += traffic_lines(args.model, ds, pc)
         except (ValueError, OSError) as exc:
             return bad_input("explain", exc)
