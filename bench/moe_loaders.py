@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ds_nvfp4.export.formats import compressed_tensors_config, nvfp4_tensors  # noqa: E402
-from ds_nvfp4.format import quantize  # noqa: E402
-from ds_nvfp4.nn import convert_model  # noqa: E402
-from tests.integrations.moe_families import build  # noqa: E402
+from ds_nvfp4.export.formats import compressed_tensors_config, nvfp4_tensors
+from ds_nvfp4.format import quantize
+from ds_nvfp4.nn import convert_model
+from tests.integrations.moe_families import build
 
 _ROWS = {"all": lambda n: slice(0, n), "first_half": lambda n: slice(0, n // 2),
          "second_half": lambda n: slice(n // 2, n), "even": lambda n: slice(0, n, 2), "odd": lambda n: slice(1, n, 2)}

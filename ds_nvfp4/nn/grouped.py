@@ -21,7 +21,7 @@ from ..format import BLOCK_SIZE, NVFP4Storage, _kernels, hadamard, inverse_hadam
 from ..format.grouped import group_rows
 from ..kernels import get_backend
 from ..kernels.base import GroupedOperand
-from .ops import _bf16_gemm, _linear_bwd, _no_autocast
+from .ops import _linear_bwd, _no_autocast
 from .recipe import Recipe
 
 #: ``(data [E, N, K/2] uint8, scale e4m3 [E, N or N/16, K/16], amax [E] float32)``: one experts weight's codes
@@ -76,7 +76,7 @@ class _GroupedLinear(torch.autograd.Function):
         with _no_autocast(x):
             backend = get_backend(recipe.kernel)
             codes = cached if cached is not None else quantize_experts(weight.detach(), recipe, weight_amax)
-            e, n, _ = weight.shape
+            e = weight.shape[0]
             xin = hadamard(x) if recipe.act_hadamard else x
             if recipe.forward_gemm == "bf16":  # the schedule's late switch: BF16 Fprop, the FP4 backward keeps codes
                 out = _grouped_bf16(x, weight.transpose(1, 2), offsets)

@@ -39,7 +39,8 @@ def test_a_non_finite_group_is_poisoned_alone() -> None:
     offsets = torch.tensor([10, 20, 30])
     values, amax, _, _ = quantize_grouped(x, group_rows(offsets, 30), 3)
     assert amax[1].isnan() and values[10:20].isnan().all()
-    assert torch.isfinite(amax[[0, 2]]).all() and torch.isfinite(values[:10]).all() and torch.isfinite(values[20:]).all()
+    assert torch.isfinite(amax[[0, 2]]).all()
+    assert torch.isfinite(values[:10]).all() and torch.isfinite(values[20:]).all()
 
 
 @pytest.mark.parametrize("block", ["1x16", "16x16"])

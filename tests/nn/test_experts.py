@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from ds_nvfp4.nn import Recipe, convert_model
 from ds_nvfp4.nn.grouped import grouped_fp4_linear
