@@ -1,0 +1,91 @@
+"""`ds-nvfp4 compare --baselines ... --candidates ...`: seed sets paired by seed, the mean paired gap's t interval."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds_nvfp4.evaluation.seedset import seeds_needed, t975, t_interval
+from tests.report.test_compare import BASE, make_run, run
+
+PROTOCOL = {"name": "v3", "steps": 100, "final_eval": True, "deviations": {}}
+
+
+def _set(root: Path, gaps: list[float], *, protocol: dict | None = PROTOCOL, whole: bool = True,
+         bf16_offsets: list[float] | None = None) -> tuple[list[str], list[str]]:
+    """BF16 and NVFP4 runs for seeds 0..n-1: NVFP4's batch losses are BF16's times (1 + gap)."""
+    base, cand = [], []
+    for seed, gap in enumerate(gaps):
+        off = 1 + (bf16_offsets[seed] if bf16_offsets else 0.0)
+        losses = [v * off for v in BASE]
+        for name, vals, nvfp4 in (("bf16", losses, False), ("nvfp4", [v * (1 + gap) for v in losses], True)):
+            r = make_run(root / f"{name}_seed{seed}", vals, seed=seed, nvfp4=nvfp4)
+            cfg = json.loads((r / "config.json").read_text())
+            cfg["protocol"] = protocol
+            cfg["final_eval"] = {"batches": len(vals), "whole_split": whole} if protocol else None
+            (r / "config.json").write_text(json.dumps(cfg))
+            (r / "final_eval.json").write_text(json.dumps({
+                "step": 100, "eval_batches": len(vals), "micro_batch": 4, "seq": 256, "whole_split": whole,
+                "val_loss": float(np.mean(vals)), "val_batch_losses": vals}))
+            (base if name == "bf16" else cand).append(str(r))
+    return base, cand
+
+
+def test_t_quantiles_and_interval() -> None:
+    assert t975(1) == 12.706 and t975(3) == 3.182 and abs(t975(60) - 2.000) < 0.003
+    mean, low, high = t_interval([0.001, 0.003, 0.002, 0.004])
+    sd = np.std([0.001, 0.003, 0.002, 0.004], ddof=1)
+    assert mean == pytest.approx(0.0025) and high - mean == pytest.approx(3.182 * sd / 2)
+    with pytest.raises(ValueError):
+        t_interval([0.1])
+
+
+@pytest.mark.parametrize("gaps,verdict,code", [([0.002, 0.003, 0.001, 0.004], "pass", 0),
+                                               ([0.03, 0.032, 0.029, 0.031], "fail", 1),
+                                               ([0.0, 0.012, 0.004, 0.010], "inconclusive", 3)])
+def test_seed_set_verdicts_follow_the_t_interval(tmp_path: Path, gaps: list[float], verdict: str,
+                                                 code: int) -> None:
+    base, cand = _set(tmp_path, gaps, bf16_offsets=[0.0, 0.002, -0.001, 0.001])
+    r = run("--baselines", *base, "--candidates", *cand, "--out", str(tmp_path / "rep"))
+    assert r.returncode == code, r.stdout + r.stderr
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert rep["verdict"] == verdict and len(rep["pairs"]) == 4
+    assert rep["mean"] == pytest.approx(np.mean(gaps), abs=1e-9)
+    assert [p["seed"] for p in rep["pairs"]] == [0, 1, 2, 3]
+    assert all(p["source"] == "final_eval.json (whole split)" for p in rep["pairs"])
+    assert rep["bf16_spread"] == pytest.approx((1.002 - 0.999) / 0.999, rel=1e-6)
+    if verdict == "inconclusive":
+        assert rep["seeds_needed"] and f"~{rep['seeds_needed']} seeds would decide it" in r.stdout
+    assert (tmp_path / "rep" / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pairs_are_made_by_seed_not_by_order(tmp_path: Path) -> None:
+    base, cand = _set(tmp_path, [0.002, 0.004, 0.003])
+    r = run("--baselines", *base, "--candidates", *reversed(cand), "--out", str(tmp_path / "rep"))
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert r.returncode == 0 and [round(p["gap"], 6) for p in rep["pairs"]] == [0.002, 0.004, 0.003]
+
+
+def test_seed_sets_that_cannot_be_judged_are_refused(tmp_path: Path) -> None:
+    base, cand = _set(tmp_path / "a", [0.002, 0.004, 0.003])
+    r = run("--baselines", *base, "--candidates", *cand[:2])
+    assert r.returncode == 2 and "seeds [2] have no partner" in r.stderr, r.stderr
+    r = run("--baselines", base[0], "--candidates", cand[0])
+    assert r.returncode == 2 and "at least two seeds" in r.stderr
+    other, _ = _set(tmp_path / "b", [0.0, 0.0], protocol={**PROTOCOL, "name": "v2"})
+    r = run("--baselines", base[0], other[1], "--candidates", *cand[:2])
+    assert r.returncode == 2 and "differ in protocol" in r.stderr, r.stderr
+    partial, pc = _set(tmp_path / "c", [0.002, 0.004], whole=False)
+    r = run("--baselines", *partial, "--candidates", *pc)
+    assert r.returncode == 2 and "whole-split final evaluation" in r.stderr, r.stderr
+    r = run(base[0], cand[0], "--baselines", *base, "--candidates", *cand)
+    assert r.returncode == 2 and "not both" in r.stderr
+
+
+def test_seeds_needed_shrinks_the_interval_past_the_threshold() -> None:
+    n = seeds_needed(0.005, 0.004, 0.01, 4)
+    assert n is not None and t975(n - 1) * 0.004 / n ** 0.5 < 0.005 <= t975(n - 2) * 0.004 / (n - 1) ** 0.5
+    assert seeds_needed(0.01, 0.004, 0.01, 4) is None
