@@ -14,7 +14,12 @@
 #include <atomic>
 #include <limits>
 #include <algorithm>
+#include <type_traits>
 #include <c10/util/Float8_e4m3fn.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define DS_NVFP4_AVX512 1
+#endif
 
 // E2M1 code of one float32 (already multiplied by its block's encode scale): round to nearest, ties to the
 // even code, saturating at 6; NaN -> magnitude 0; sign = IEEE sign bit. Same comparisons as e2m1.encode_rne.
@@ -137,6 +142,33 @@ static inline uint16_t to_bf16_bits(float f) {
 static const float kE2M1Signed[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                       -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
+#ifdef DS_NVFP4_AVX512
+// float32 -> bfloat16 bits of 16 lanes, round to nearest even, NaN -> 0x7FC0 (to_bf16_bits, vectorised)
+static inline __m256i bf16_rne16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+// One 16-element block of decode_rows: the 16 signed E2M1 values times the block's factor (one float32 multiply
+// each, as the table of the scalar loop), picked per code by a lane permute.
+static inline void decode_block_avx512(const uint8_t* data, float f, uint16_t* out) {
+  const __m512 table = _mm512_mul_ps(_mm512_loadu_ps(kE2M1Signed), _mm512_set1_ps(f));
+  const __m512i bytes = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(data)));
+  const __m512i idx = _mm512_or_si512(_mm512_and_si512(bytes, _mm512_set1_epi64(0x0F)),
+                                      _mm512_slli_epi64(_mm512_srli_epi64(bytes, 4), 32));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bf16_rne16(_mm512_permutexvar_ps(idx, table)));
+}
+static inline void decode_block_avx512(const uint8_t* data, float f, float* out) {
+  const __m512 table = _mm512_mul_ps(_mm512_loadu_ps(kE2M1Signed), _mm512_set1_ps(f));
+  const __m512i bytes = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(data)));
+  const __m512i idx = _mm512_or_si512(_mm512_and_si512(bytes, _mm512_set1_epi64(0x0F)),
+                                      _mm512_slli_epi64(_mm512_srli_epi64(bytes, 4), 32));
+  _mm512_storeu_ps(out, _mm512_permutexvar_ps(idx, table));
+}
+#endif
+
 // Dequantize packed codes [M, K/2] with per-block factors [ceil(M/row_div), K/16] (scale * amax / 2688, computed
 // by the caller exactly as the eager kernel does): out = cast(e2m1(code) * factor). A block has 16 elements but
 // only 16 possible codes, so the 16 products (and their casts) are computed once per block and looked up.
@@ -152,6 +184,12 @@ static void decode_rows(const uint8_t* data, const float* factor, Out* out, int6
       Out* orow = out + r * k;
       for (int64_t b = 0; b < nb; ++b) {
         const float f = fr[b];
+#ifdef DS_NVFP4_AVX512
+        if constexpr (std::is_same_v<Out, uint16_t> || std::is_same_v<Out, float>) {
+          decode_block_avx512(dr + b * 8, f, orow + b * 16);
+          continue;
+        }
+#endif
         for (int c = 0; c < 16; ++c) table[c] = cast(kE2M1Signed[c] * f);
         for (int j = 0; j < 8; ++j) {
           const uint8_t byte = dr[b * 8 + j];
@@ -179,6 +217,50 @@ torch::Tensor decode(torch::Tensor data, torch::Tensor factor, int64_t row_div, 
   return out;
 }
 
+#ifdef DS_NVFP4_AVX512
+// One 16-element block of encode_values_rows with AVX-512: the same float32 operations per lane (one multiply by
+// enc, the seven comparisons of code_of, the grid value by a lane permute instead of selects, times s), the values
+// stored exactly (truncated to bfloat16, or as float32) and the codes packed two per byte.
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void store16(uint16_t* p, __m512 v) {  // exact values: truncation is the rounding
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+template <typename T, typename Out>
+static inline void encode_block_avx512(const T* x, float e, float s, Out* vals, uint8_t* codes) {
+  const __m512 y = _mm512_mul_ps(load16(x), _mm512_set1_ps(e));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512 a = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(y)));
+  const __m512i one = _mm512_set1_epi32(1);
+  __m512i idx = _mm512_setzero_si512();
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.75f), _CMP_GE_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.25f), _CMP_GT_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.75f), _CMP_GE_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.5f), _CMP_GT_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.5f), _CMP_GE_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(5.0f), _CMP_GT_OQ), idx, one);
+  const __m512 grid = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0.0f, 0.5f, 1.0f, 1.5f, 2.0f,
+                                     3.0f, 4.0f, 6.0f);
+  const __m512 mag = _mm512_permutexvar_ps(idx, grid);
+  const __m512 val = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign)),
+                                   _mm512_set1_ps(s));
+  store16(vals, val);
+  if (codes != nullptr) {
+    // code = idx | sign bit at bit 3; a 64-bit lane holds codes 2j (low) and 2j+1 (high): fold the high one to
+    // bits 4-7 and keep each lane's low byte
+    __m512i c = _mm512_or_si512(idx, _mm512_srli_epi32(sign, 28));
+    c = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi64_epi8(c));
+  }
+}
+#endif
+
 // Quantize and produce the GEMM operand in one pass: for each element, code = e2m1(x * enc_b) (round to nearest
 // even, as encode_rows) and value = e2m1_value(code) * s_b (exact: at most 6 significant bits), written as float32
 // or bfloat16 (exact either way). Optionally also the packed codes (the storage a backward or a checkpoint needs).
@@ -197,6 +279,12 @@ static void encode_values_rows(const T* __restrict x, const float* __restrict en
       for (int64_t b = 0; b < nb; ++b) {
         const float e = er[b];
         const float s = sr[b];
+#ifdef DS_NVFP4_AVX512
+        if constexpr (std::is_same_v<Out, uint16_t> || std::is_same_v<Out, float>) {
+          encode_block_avx512(xr + b * 16, e, s, vrow + b * 16, codes ? codes + r * (k / 2) + b * 8 : nullptr);
+          continue;
+        }
+#endif
         uint32_t idx[16], sign[16];
         float val[16];
         // one chain of comparisons (those of code_of) gives both the code and the grid value: steps of 0.5 up to 2,
@@ -277,6 +365,14 @@ static void block_amax_rows(const T* __restrict x, float* __restrict bamax, int6
       for (int64_t r = g * row_div; r < std::min(m, (g + 1) * row_div); ++r) {
         const T* xr = x + r * k;
         for (int64_t b = 0; b < nb; ++b) {
+#ifdef DS_NVFP4_AVX512
+          {  // |x| max over 16 lanes; a NaN anywhere makes the block NaN (as the eager kernel's amax does)
+            const __m512 v = _mm512_abs_ps(load16(xr + b * 16));
+            const bool nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+            out[b] = nan ? std::numeric_limits<float>::quiet_NaN() : nan_max(out[b], _mm512_reduce_max_ps(v));
+            continue;
+          }
+#endif
           // max over the block without a loop-carried NaN test (so it vectorises); NaN re-applied after
           float v[16];
           bool has_nan = false;
@@ -312,6 +408,51 @@ static inline void e4m3_of_nonnegative(float t, uint8_t* code, float* value) {
   const uint32_t r = (bits + 0x7FFFFu + ((bits >> 20) & 1u)) & ~0xFFFFFu;  // keep 3 mantissa bits, RNE
   std::memcpy(value, &r, 4);
   *code = static_cast<uint8_t>((r >> 20) - (120u << 3));  // exponent bias 127 -> 7
+}
+
+// The block scales of n blocks with one per-tensor scale: s_b = e4m3(min(bamax * s_enc6, 448)) (code and value) and
+// enc_b = min(1 / (s_b * s_dec), FLT_MAX), exactly the scalar steps (e4m3_of_nonnegative), 16 blocks at a time with
+// AVX-512: the normal range by the same integer rounding of the bits, the subnormal range by a round-to-nearest-even
+// of t * 512, NaN to code 0x7F.
+static void scale_blocks(const float* ba, int64_t n, float s_enc6, float s_dec, uint8_t* sb, float* sf, float* ef) {
+  const float flt_max = std::numeric_limits<float>::max();
+  int64_t i = 0;
+#ifdef DS_NVFP4_AVX512
+  const __m512 cap = _mm512_set1_ps(448.0f), fmax = _mm512_set1_ps(flt_max), one = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 t = _mm512_min_ps(cap, _mm512_mul_ps(_mm512_loadu_ps(ba + i), _mm512_set1_ps(s_enc6)));
+    const __m512i bits = _mm512_castps_si512(t);
+    const __m512i r = _mm512_and_si512(
+        _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFFF)),
+                         _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(1))),
+        _mm512_set1_epi32(static_cast<int>(~0xFFFFFu)));
+    __m512 value = _mm512_castsi512_ps(r);
+    __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(r, 20), _mm512_set1_epi32(120 << 3));
+    const __mmask16 sub = _mm512_cmp_ps_mask(t, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+    const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(512.0f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    value = _mm512_mask_mov_ps(value, sub, _mm512_mul_ps(q, _mm512_set1_ps(1.0f / 512.0f)));
+    code = _mm512_mask_mov_epi32(code, sub, _mm512_cvttps_epi32(q));
+    const __mmask16 nan = _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q);
+    value = _mm512_mask_mov_ps(value, nan, t);
+    code = _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(0x7F));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(sb + i), _mm512_cvtepi32_epi8(code));
+    _mm512_storeu_ps(sf + i, value);
+    _mm512_storeu_ps(ef + i, _mm512_min_ps(fmax, _mm512_div_ps(one, _mm512_mul_ps(value, _mm512_set1_ps(s_dec)))));
+  }
+#endif
+  for (; i < n; ++i) {
+    float t = ba[i] * s_enc6;
+    if (t > 448.0f) t = 448.0f;
+    uint8_t qb;
+    float qf;
+    e4m3_of_nonnegative(t, &qb, &qf);
+    sb[i] = qb;
+    sf[i] = qf;
+    float e = 1.0f / (qf * s_dec);
+    if (e > flt_max) e = flt_max;
+    ef[i] = e;
+  }
 }
 
 std::vector<torch::Tensor> quantize_operand(torch::Tensor x, c10::optional<torch::Tensor> amax, int64_t row_div,
@@ -350,18 +491,7 @@ std::vector<torch::Tensor> quantize_operand(torch::Tensor x, c10::optional<torch
   uint8_t* sb = reinterpret_cast<uint8_t*>(scale.data_ptr());
   float* sf = scale_f.data_ptr<float>();
   float* ef = enc.data_ptr<float>();
-  for (int64_t i = 0; i < n_blocks; ++i) {
-    float t = ba[i] * s_enc6;
-    if (t > 448.0f) t = 448.0f;
-    uint8_t qb;
-    float qf;
-    e4m3_of_nonnegative(t, &qb, &qf);
-    sb[i] = qb;
-    sf[i] = qf;
-    float e = 1.0f / (qf * s_dec);
-    if (e > flt_max) e = flt_max;
-    ef[i] = e;
-  }
+  scale_blocks(ba, n_blocks, s_enc6, s_dec, sb, sf, ef);
   auto out = encode_values(x, enc, scale_f, row_div, bf16, want_codes);
   auto used_t = torch::full({}, used, f32);
   if (want_codes) return {out[0], out[1], scale, used_t};
@@ -431,19 +561,7 @@ std::vector<torch::Tensor> quantize_operand_grouped(torch::Tensor x, torch::Tens
   float* ef = enc.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t g = rg[r];
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t i = r * nb + b;
-      float t = ba[i] * s_enc6[g];
-      if (t > 448.0f) t = 448.0f;
-      uint8_t qb;
-      float qf;
-      e4m3_of_nonnegative(t, &qb, &qf);
-      sb[i] = qb;
-      sf[i] = qf;
-      float e = 1.0f / (qf * s_dec[g]);
-      if (e > flt_max) e = flt_max;
-      ef[i] = e;
-    }
+    scale_blocks(ba + r * nb, nb, s_enc6[g], s_dec[g], sb + r * nb, sf + r * nb, ef + r * nb);
   }
   auto out = encode_values(x, enc, scale_f, row_div, bf16, want_codes);
   if (want_codes) return {out[0], out[1], scale, used_t};
