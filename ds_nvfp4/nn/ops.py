@@ -126,16 +126,16 @@ def _linear_bwd(grad, x, w_data, w_scale, w_amax, recipe: str, x_dtype, w_dtype,
         rounding = "stochastic" if r.stochastic_rounding else "nearest"
         if need_dx:
             gq = backend.quantize(grad, block="1x16", rounding=rounding)
-            dx = backend.mm(gq, backend.operand(wq).t(), torch.float32)
             if r.act_hadamard:
-                dx = inverse_hadamard(dx)
-            dx = dx.to(x_dtype)
+                dx = inverse_hadamard(backend.mm(gq, backend.operand(wq).t(), torch.float32)).to(x_dtype)
+            else:  # the GEMM's epilogue casts to x's dtype (the same single rounding as float32 then .to)
+                dx = backend.mm(gq, backend.operand(wq).t(), x_dtype)
         if need_dw:
             gt, xt = _pad_rows(grad).t(), _pad_rows(x).t()  # [N, Mp], [K, Mp]: quantized along tokens
             if r.backward_hadamard:
                 gt, xt = hadamard(gt), hadamard(xt)
             dw = backend.mm(backend.quantize(gt.contiguous(), rounding=rounding),
-                            backend.quantize(xt.contiguous()), torch.float32).to(w_dtype)
+                            backend.quantize(xt.contiguous()), w_dtype)
     if need_db:
         db = grad.float().sum(0).to(w_dtype)
     return dx, dw, db

@@ -79,6 +79,46 @@ torch::Tensor encode_nearest(torch::Tensor x, torch::Tensor enc, int64_t row_div
 // Stochastic rounding onto the E2M1 grid (the twin of e2m1.encode_stochastic after _kernels._scaled): y = x * enc_b,
 // step = 0.5 below 2, 1 below 4, else 2; q = min(floor(|y| / step + u) * step, 6) with u = random_byte / 256; the
 // code of q (exactly on the grid) with the IEEE sign of y. NaN stays NaN through min (as torch.clamp) -> code 0.
+#ifdef DS_NVFP4_AVX512
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+// One 16-element block of encode_sr_rows with AVX-512: the same float32 steps per lane (|y| / step + u floored,
+// times step, capped at 6), the code read off by the comparisons of code_of, packed two per byte.
+template <typename T>
+static inline void encode_sr_block_avx512(const T* x, float e, const uint8_t* rnd, uint8_t* out) {
+  const __m512 y = _mm512_mul_ps(load16(x), _mm512_set1_ps(e));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512 a = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(y)));
+  const __mmask16 lt2 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.0f), _CMP_LT_OQ);
+  const __mmask16 lt4 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(4.0f), _CMP_LT_OQ);
+  const __m512 st = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_set1_ps(2.0f), lt4, _mm512_set1_ps(1.0f)), lt2,
+                                       _mm512_set1_ps(0.5f));
+  const __m512 inv = _mm512_mask_mov_ps(_mm512_mask_mov_ps(_mm512_set1_ps(0.5f), lt4, _mm512_set1_ps(1.0f)), lt2,
+                                        _mm512_set1_ps(2.0f));
+  const __m512 u = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rnd)))),
+      _mm512_set1_ps(1.0f / 256.0f));
+  const __m512 t = _mm512_mul_ps(
+      _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(a, inv), u), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), st);
+  const __m512 q = _mm512_min_ps(_mm512_set1_ps(6.0f), t);  // NaN stays NaN and compares false: magnitude 0
+  const __m512i one = _mm512_set1_epi32(1);
+  __m512i idx = _mm512_setzero_si512();
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(q, _mm512_set1_ps(0.25f), _CMP_GT_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(q, _mm512_set1_ps(0.75f), _CMP_GE_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(q, _mm512_set1_ps(1.25f), _CMP_GT_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(q, _mm512_set1_ps(1.75f), _CMP_GE_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(q, _mm512_set1_ps(2.5f), _CMP_GT_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(q, _mm512_set1_ps(3.5f), _CMP_GE_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(q, _mm512_set1_ps(5.0f), _CMP_GT_OQ), idx, one);
+  __m512i c = _mm512_or_si512(idx, _mm512_srli_epi32(sign, 28));
+  c = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(c));
+}
+#endif
+
 template <typename T>
 static void encode_sr_rows(const T* x, const float* enc, const uint8_t* rnd, uint8_t* out, int64_t m, int64_t k,
                            int64_t row_div) {
@@ -91,6 +131,10 @@ static void encode_sr_rows(const T* x, const float* enc, const uint8_t* rnd, uin
       uint8_t* orow = out + r * (k / 2);
       for (int64_t b = 0; b < nb; ++b) {
         const float e = er[b];
+#ifdef DS_NVFP4_AVX512
+        encode_sr_block_avx512(xr + b * 16, e, ur + b * 16, orow + b * 8);
+        continue;
+#endif
         uint8_t c[16];
         for (int j = 0; j < 16; ++j) {
           const float y = to_f32(xr[b * 16 + j]) * e;
@@ -221,11 +265,6 @@ torch::Tensor decode(torch::Tensor data, torch::Tensor factor, int64_t row_div, 
 // One 16-element block of encode_values_rows with AVX-512: the same float32 operations per lane (one multiply by
 // enc, the seven comparisons of code_of, the grid value by a lane permute instead of selects, times s), the values
 // stored exactly (truncated to bfloat16, or as float32) and the codes packed two per byte.
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const uint16_t* p) {
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
 static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 static inline void store16(uint16_t* p, __m512 v) {  // exact values: truncation is the rounding
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
