@@ -1,14 +1,21 @@
-"""Timing helper shared by the benchmarks."""
+"""Timing helpers shared by the benchmarks: every timed call is kept, with the machine it ran on.
+
+Each figure of docs/benchmarks.md is the median of ``--repeats`` (>= 5 by default) timed calls after 2 warm-ups;
+the JSON a benchmark writes keeps every call's seconds, the machine (CPU model and BF16 GEMM units, or the GPU),
+the thread count, torch's version and the command, so `bench/tables.py` regenerates the tables from kept output.
+"""
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    """Median wall seconds of ``repeats`` calls after ``warmup`` calls (torch.compile compiles there)."""
+def samples(fn: Callable[[], object], repeats: int, warmup: int = 2) -> list[float]:
+    """Wall seconds of ``repeats`` calls after ``warmup`` calls (torch.compile compiles there)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -16,32 +23,48 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> f
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
-def print_ratios(rows: dict[str, float], baseline: str, header: str, column: str, json_path: str | None,
-                 json_key: str) -> None:
-    """Print ``rows`` (name -> median seconds) with each one's ratio to ``rows[baseline]`` (same run); optionally
-    write them to ``json_path`` as ``{name: {"seconds": s, json_key: ratio}}``."""
-    import json
-
-    base = rows[baseline]
-    width = max(map(len, rows)) + 2
-    print(header)
-    print(f"{'':{width}s} {'s':>8s} {column:>{len(column) + 1}s}")
-    for name, s in rows.items():
-        print(f"{name:{width}s} {s:8.3f} {s / base:{len(column)}.2f}x")
-    if json_path:
-        with open(json_path, "w") as fh:
-            json.dump({k: {"seconds": v, json_key: v / base} for k, v in rows.items()}, fh, indent=2)
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    return statistics.median(samples(fn, repeats, warmup))
 
 
-def fwd_bwd_seconds(module, x, grad, repeats: int, *args) -> float:
-    """Median seconds of ``module(x, *args).backward(grad)`` with fresh input and parameter gradients each call."""
+def fwd_bwd_samples(module, x, grad, repeats: int, *args) -> list[float]:
+    """Seconds of ``module(x, *args).backward(grad)`` with fresh input and parameter gradients each call."""
 
     def once() -> None:
         xi = x.detach().requires_grad_()
         module.zero_grad(set_to_none=True)
         module(xi, *args).backward(grad)
 
-    return median_seconds(once, repeats)
+    return samples(once, repeats)
+
+
+def context() -> dict:
+    """Where and how a benchmark ran: the machine (ds_nvfp4.envcheck.machine), threads, torch, the command."""
+    import torch
+
+    from ds_nvfp4.envcheck import machine
+
+    return {"machine": machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "command": "python " + " ".join(sys.argv)}
+
+
+def report(rows: dict[str, list[float]], baseline: str, header: str, column: str, json_path: str | None,
+           json_key: str, **extra) -> dict:
+    """Print each row's median seconds and its ratio to ``rows[baseline]`` (same run); optionally write JSON with
+    every sample, the medians, the ratios and :func:`context`. Returns the JSON payload."""
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    base = med[baseline]
+    width = max(map(len, rows)) + 2
+    print(header)
+    print(f"{'':{width}s} {'s':>8s} {column:>{len(column) + 1}s}")
+    for name, s in med.items():
+        print(f"{name:{width}s} {s:8.3f} {s / base:{len(column)}.2f}x")
+    payload = {"header": header, "baseline": baseline, **context(), **extra,
+               "rows": {k: {"seconds": rows[k], "median": med[k], json_key: med[k] / base} for k in rows}}
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(payload, fh, indent=2)
+    return payload

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import statistics
-import time
 
 import torch
+from _timing import report, samples
 from torch import nn
 
 import ds_nvfp4
-from ds_nvfp4.envcheck import machine
 from ds_nvfp4.nn import Recipe
 from ds_nvfp4.nn.experts import FP4Experts
 from ds_nvfp4.nn.moe import find_moe
@@ -52,14 +49,7 @@ def timed(module: nn.Module, x, idx, w, repeats: int) -> list[float]:
         module.zero_grad(set_to_none=True)
         module(xi, idx, w).backward(grad)
 
-    for _ in range(2):
-        once()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t0)
-    return times
+    return samples(once, repeats)
 
 
 def main() -> None:
@@ -87,22 +77,10 @@ def main() -> None:
         rows["bf16 eager (transformers)"] = timed(build(args.experts, args.hidden, args.intermediate, "eager"),
                                                   x, idx, w, args.repeats)
     rows["nvfp4 grouped (FP4Experts)"] = timed(fp4, x, idx, w, args.repeats)
-    med = {k: statistics.median(v) for k, v in rows.items()}
-    anchor_s = med["bf16 grouped_mm (transformers)"]
-    where = machine()
-    print(f"{args.experts} experts, top-{args.top_k}, H={args.hidden}, I={args.intermediate}, {args.tokens} tokens, "
-          f"forward+backward; kernel {kernel}; {torch.get_num_threads()} threads; median of {args.repeats}; "
-          f"{where['name']} ({where['bf16_gemm']})")
-    print(f"{'':34s} {'s':>8s} {'vs grouped_mm':>14s}")
-    for name, s in med.items():
-        print(f"{name:34s} {s:8.3f} {s / anchor_s:13.2f}x")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "machine": where, "kernel": kernel, "threads": torch.get_num_threads(),
-                       "rows": {k: {"seconds": v, "median": med[k], "ratio_to_grouped_mm": med[k] / anchor_s}
-                                for k, v in rows.items()}},
-                      fh, indent=2)
-
+    report(rows, "bf16 grouped_mm (transformers)",
+           f"{args.experts} experts, top-{args.top_k}, H={args.hidden}, I={args.intermediate}, {args.tokens} tokens, "
+           f"forward+backward; kernel {kernel}; {torch.get_num_threads()} threads; median of {args.repeats}",
+           "vs grouped_mm", args.json, "ratio_to_grouped_mm", args=vars(args), kernel=kernel)
 
 if __name__ == "__main__":
     main()

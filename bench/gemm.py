@@ -9,28 +9,28 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _timing import fwd_bwd_seconds, print_ratios
+from _timing import fwd_bwd_samples, report
 from torch import nn
 
 import ds_nvfp4
 from ds_nvfp4.nn import NVFP4Linear, Recipe
 
 
-def fwd_bwd_time(layer: nn.Module, x: torch.Tensor, repeats: int) -> float:
-    return fwd_bwd_seconds(layer, x, torch.randn(x.shape[0], layer.out_features, dtype=x.dtype), repeats)
+def fwd_bwd_time(layer: nn.Module, x: torch.Tensor, repeats: int) -> list[float]:
+    return fwd_bwd_samples(layer, x, torch.randn(x.shape[0], layer.out_features, dtype=x.dtype), repeats)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--features", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json")
     args = ap.parse_args()
     f, t = args.features, args.tokens
     torch.manual_seed(0)
     kernel = ds_nvfp4.kernels.select(None).name
-    rows: dict[str, float] = {}
+    rows: dict[str, list[float]] = {}
     for name, dtype in (("nn.Linear bf16", torch.bfloat16), ("nn.Linear fp32", torch.float32)):
         rows[name] = fwd_bwd_time(nn.Linear(f, f, dtype=dtype), torch.randn(t, f, dtype=dtype), args.repeats)
     recipes = {
@@ -40,7 +40,7 @@ def main() -> None:
     for name, recipe in recipes.items():
         rows[name] = fwd_bwd_time(NVFP4Linear(f, f, dtype=torch.bfloat16, recipe=recipe),
                                   torch.randn(t, f, dtype=torch.bfloat16), args.repeats)
-    print_ratios(rows, "nn.Linear bf16",
+    report(rows, "nn.Linear bf16",
                  f"[{t} x {f}] @ [{f} x {f}]^T forward+backward, bf16 activations and weights, kernel {kernel}, "
                  f"{torch.get_num_threads()} threads, median of {args.repeats}",
                  "vs bf16 nn.Linear", args.json, "ratio_to_bf16_linear")

@@ -1,62 +1,75 @@
-"""Quantize / dequantize throughput on this CPU, against torchao and a plain copy, in one run.
+"""Quantize / dequantize speed on this CPU, in ns per element, against a plain copy and torchao, in one run.
 
-Usage: python bench/quantize.py [--size 4096] [--repeats 5] [--json out.json]
-(`make bench` installs torchao with --no-deps first.) Figures go to docs/benchmarks.md.
+Usage: python bench/quantize.py [--rows 8192] [--cols 4096] [--repeats 7] [--json out.json]
+(`make bench` installs torchao with --no-deps first.) Rows: each operation on a bfloat16 ``[rows, cols]`` tensor, its
+ns per element (median of ``--repeats`` calls), and the fraction of copy bandwidth it reaches (the bytes it must
+move over the bytes a copy of the same tensor moves, times the copy's speed over its own); the grouped quantizer
+with 64 groups (MoE experts, format/grouped.py) and stochastic rounding (the FP4 backward's gradients) included.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import statistics
 
 import torch
-from _timing import median_seconds as timeit
+from _timing import report, samples
 
 import ds_nvfp4
+from ds_nvfp4.format import quantize_values
+from ds_nvfp4.format.grouped import group_rows, quantize_grouped
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--rows", type=int, default=8192)
+    ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", help="also write every sample and the machine here")
     args = ap.parse_args()
-
-    n = args.size
-    x = torch.randn(n, n, dtype=torch.bfloat16)
+    m, k = args.rows, args.cols
+    x = torch.randn(m, k, dtype=torch.bfloat16)
     elems = x.numel()
     q = ds_nvfp4.quantize(x)
-    rows: dict[str, float] = {}
-    rows["copy_ (bf16, same bytes)"] = timeit(lambda: torch.empty_like(x).copy_(x), args.repeats)
-    rows["ds_nvfp4.quantize 1x16"] = timeit(lambda: ds_nvfp4.quantize(x), args.repeats)
-    rows["ds_nvfp4.quantize 16x16"] = timeit(lambda: ds_nvfp4.quantize(x, block="16x16"), args.repeats)
-    rows["ds_nvfp4.dequantize -> bf16"] = timeit(lambda: q.dequantize(), args.repeats)
+    groups = group_rows(torch.arange(1, 65) * (m // 64), m)
+    gen = torch.Generator().manual_seed(0)
+    ops = {
+        "copy_ (bf16, same bytes)": (lambda: torch.empty_like(x).copy_(x), 4.0),
+        "quantize 1x16 (codes)": (lambda: ds_nvfp4.quantize(x), 4.5625),
+        "quantize 16x16 (codes)": (lambda: ds_nvfp4.quantize(x, block="16x16"), 4.5625),
+        "quantize to GEMM operand 1x16 (values + codes)": (lambda: quantize_values(x, keep_codes=True), 6.5625),
+        "quantize, 64 groups (MoE experts), values + codes": (
+            lambda: quantize_grouped(x, groups, 64, keep_codes=True), 6.5625),
+        "quantize 1x16, stochastic rounding (codes)": (
+            lambda: ds_nvfp4.quantize(x, rounding="stochastic", generator=gen), 5.5625),
+        "dequantize -> bf16": (lambda: q.dequantize(), 2.5625),
+    }
     try:
         from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Storage, per_tensor_amax_to_scale
 
-        def ao() -> object:
-            return NVFP4Storage.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().max().float()))
-
-        rows["torchao NVFP4Storage.to_nvfp4"] = timeit(ao, args.repeats)
+        ops["torchao NVFP4Storage.to_nvfp4"] = (lambda: NVFP4Storage.to_nvfp4(
+            x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().max().float())), 4.5625)
     except ImportError:
-        print("torchao not installed (pip install torchao --no-deps): no torchao column")
-
-    copy_s = rows["copy_ (bf16, same bytes)"]
-    ao_s = rows.get("torchao NVFP4Storage.to_nvfp4")
-    # bytes moved: copy reads 2 and writes 2 per element; quantize reads 2 and writes 0.5625 (+ amax pass)
-    moved = {"copy_ (bf16, same bytes)": 4.0, "ds_nvfp4.dequantize -> bf16": 2.5625}
-    print(f"{n}x{n} bfloat16, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"DS_NVFP4 compiled kernels: {ds_nvfp4.format._compile.compile_enabled(x.device)}")
-    print(f"{'operation':34s} {'ms':>8s} {'Gelem/s':>8s} {'vs torchao':>10s} {'of copy BW':>10s}")
-    out = {}
-    for name, s in rows.items():
-        bw = moved.get(name, 2.5625) * elems / s / (4.0 * elems / copy_s)
-        ratio = ao_s / s if ao_s else float("nan")
-        print(f"{name:34s} {s * 1e3:8.1f} {elems / s / 1e9:8.3f} {ratio:9.1f}x {bw:9.0%}")
-        out[name] = {"ms": s * 1e3, "elements_per_s": elems / s, "speedup_vs_torchao": ratio, "copy_bw_fraction": bw}
+        print("torchao not installed (pip install torchao --no-deps): no torchao row")
+    rows = {name: samples(fn, args.repeats) for name, (fn, _) in ops.items()}
+    copy_s = statistics.median(rows["copy_ (bf16, same bytes)"])
+    bytes_moved = {name: moved for name, (_, moved) in ops.items()}
+    header = (f"[{m} x {k}] bfloat16, {torch.get_num_threads()} threads, compiled/C++ kernels: "
+              f"{ds_nvfp4.format._compile.compile_enabled(x.device)}")
+    payload = report(rows, "copy_ (bf16, same bytes)", header, "time vs copy", None, "ratio_to_copy",
+                     args=vars(args))
+    print(f"{'operation':52s} {'ns/elem':>8s} {'of copy BW':>10s}")
+    for name, v in rows.items():
+        s = statistics.median(v)
+        bw = bytes_moved[name] * elems / s / (4.0 * elems / copy_s)
+        payload["rows"][name].update(ns_per_element=s * 1e9 / elems, bytes_per_element=bytes_moved[name],
+                                     copy_bw_fraction=bw)
+        print(f"{name:52s} {s * 1e9 / elems:8.2f} {bw:9.0%}")
     if args.json:
+        import json
+
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+            json.dump(payload, f, indent=2)
 
 
 if __name__ == "__main__":

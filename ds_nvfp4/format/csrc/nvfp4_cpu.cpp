@@ -40,50 +40,35 @@ template <> inline float to_f32<uint16_t>(uint16_t v) {  // bfloat16 bits -> flo
   return f;
 }
 
-template <typename T>
-static void encode_rows(const T* __restrict x, const float* __restrict enc, uint8_t* __restrict out, int64_t m, int64_t k, int64_t row_div) {
-  const int64_t nb = k / 16;
-  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * k;
-      const float* er = enc + (r / row_div) * nb;
-      uint8_t* orow = out + r * (k / 2);
-      for (int64_t b = 0; b < nb; ++b) {
-        const float e = er[b];
-        float y[16];
-        for (int j = 0; j < 16; ++j) y[j] = to_f32(xr[b * 16 + j]) * e;
-        uint8_t c[16];
-        for (int j = 0; j < 16; ++j) c[j] = code_of(y[j]);
-        for (int j = 0; j < 8; ++j) orow[b * 8 + j] = static_cast<uint8_t>(c[2 * j] | (c[2 * j + 1] << 4));
-      }
-    }
-  });
-}
-
-torch::Tensor encode_nearest(torch::Tensor x, torch::Tensor enc, int64_t row_div) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0, "x: contiguous [M, K], K % 16 == 0");
-  TORCH_CHECK(enc.scalar_type() == torch::kFloat32 && enc.is_contiguous(), "enc: contiguous float32");
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(enc.numel() == ((m + row_div - 1) / row_div) * (k / 16), "enc: one scale per block");
-  auto out = torch::empty({m, k / 2}, x.options().dtype(torch::kUInt8));
-  if (x.scalar_type() == torch::kFloat32) {
-    encode_rows<float>(x.data_ptr<float>(), enc.data_ptr<float>(), out.data_ptr<uint8_t>(), m, k, row_div);
-  } else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
-    encode_rows<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), enc.data_ptr<float>(),
-                          out.data_ptr<uint8_t>(), m, k, row_div);
-  }
-  return out;
-}
-
-// Stochastic rounding onto the E2M1 grid (the twin of e2m1.encode_stochastic after _kernels._scaled): y = x * enc_b,
-// step = 0.5 below 2, 1 below 4, else 2; q = min(floor(|y| / step + u) * step, 6) with u = random_byte / 256; the
-// code of q (exactly on the grid) with the IEEE sign of y. NaN stays NaN through min (as torch.clamp) -> code 0.
 #ifdef DS_NVFP4_AVX512
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const uint16_t* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+// y = x * e, its sign bit and the magnitude index (the comparisons of code_of) of 16 lanes
+template <typename T>
+static inline __m512i e2m1_index_avx512(const T* x, float e, __m512i* sign_out) {
+  const __m512 y = _mm512_mul_ps(load16(x), _mm512_set1_ps(e));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512 a = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(y)));
+  const __m512i one = _mm512_set1_epi32(1);
+  __m512i idx = _mm512_setzero_si512();
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.75f), _CMP_GE_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.25f), _CMP_GT_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.75f), _CMP_GE_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.5f), _CMP_GT_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.5f), _CMP_GE_OQ), idx, one);
+  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(5.0f), _CMP_GT_OQ), idx, one);
+  *sign_out = sign;
+  return idx;
+}
+// the 16 codes (index | sign at bit 3) packed two per byte: a 64-bit lane holds codes 2j (low) and 2j+1 (high)
+static inline void store_codes_avx512(__m512i idx, __m512i sign, uint8_t* codes) {
+  __m512i c = _mm512_or_si512(idx, _mm512_srli_epi32(sign, 28));
+  c = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi64_epi8(c));
 }
 // One 16-element block of encode_sr_rows with AVX-512: the same float32 steps per lane (|y| / step + u floored,
 // times step, capped at 6), the code read off by the comparisons of code_of, packed two per byte.
@@ -113,12 +98,55 @@ static inline void encode_sr_block_avx512(const T* x, float e, const uint8_t* rn
   idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(q, _mm512_set1_ps(2.5f), _CMP_GT_OQ), idx, one);
   idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(q, _mm512_set1_ps(3.5f), _CMP_GE_OQ), idx, one);
   idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(q, _mm512_set1_ps(5.0f), _CMP_GT_OQ), idx, one);
-  __m512i c = _mm512_or_si512(idx, _mm512_srli_epi32(sign, 28));
-  c = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(c));
+  store_codes_avx512(idx, sign, out);
 }
 #endif
 
+template <typename T>
+static void encode_rows(const T* __restrict x, const float* __restrict enc, uint8_t* __restrict out, int64_t m, int64_t k, int64_t row_div) {
+  const int64_t nb = k / 16;
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * k;
+      const float* er = enc + (r / row_div) * nb;
+      uint8_t* orow = out + r * (k / 2);
+      for (int64_t b = 0; b < nb; ++b) {
+        const float e = er[b];
+#ifdef DS_NVFP4_AVX512
+        __m512i sign;
+        const __m512i idx = e2m1_index_avx512(xr + b * 16, e, &sign);
+        store_codes_avx512(idx, sign, orow + b * 8);
+        continue;
+#endif
+        float y[16];
+        for (int j = 0; j < 16; ++j) y[j] = to_f32(xr[b * 16 + j]) * e;
+        uint8_t c[16];
+        for (int j = 0; j < 16; ++j) c[j] = code_of(y[j]);
+        for (int j = 0; j < 8; ++j) orow[b * 8 + j] = static_cast<uint8_t>(c[2 * j] | (c[2 * j + 1] << 4));
+      }
+    }
+  });
+}
+
+torch::Tensor encode_nearest(torch::Tensor x, torch::Tensor enc, int64_t row_div) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0, "x: contiguous [M, K], K % 16 == 0");
+  TORCH_CHECK(enc.scalar_type() == torch::kFloat32 && enc.is_contiguous(), "enc: contiguous float32");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(enc.numel() == ((m + row_div - 1) / row_div) * (k / 16), "enc: one scale per block");
+  auto out = torch::empty({m, k / 2}, x.options().dtype(torch::kUInt8));
+  if (x.scalar_type() == torch::kFloat32) {
+    encode_rows<float>(x.data_ptr<float>(), enc.data_ptr<float>(), out.data_ptr<uint8_t>(), m, k, row_div);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
+    encode_rows<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), enc.data_ptr<float>(),
+                          out.data_ptr<uint8_t>(), m, k, row_div);
+  }
+  return out;
+}
+
+// Stochastic rounding onto the E2M1 grid (the twin of e2m1.encode_stochastic after _kernels._scaled): y = x * enc_b,
+// step = 0.5 below 2, 1 below 4, else 2; q = min(floor(|y| / step + u) * step, 6) with u = random_byte / 256; the
+// code of q (exactly on the grid) with the IEEE sign of y. NaN stays NaN through min (as torch.clamp) -> code 0.
 template <typename T>
 static void encode_sr_rows(const T* x, const float* enc, const uint8_t* rnd, uint8_t* out, int64_t m, int64_t k,
                            int64_t row_div) {
@@ -272,31 +300,15 @@ static inline void store16(uint16_t* p, __m512 v) {  // exact values: truncation
 }
 template <typename T, typename Out>
 static inline void encode_block_avx512(const T* x, float e, float s, Out* vals, uint8_t* codes) {
-  const __m512 y = _mm512_mul_ps(load16(x), _mm512_set1_ps(e));
-  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-  const __m512 a = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(y)));
-  const __m512i one = _mm512_set1_epi32(1);
-  __m512i idx = _mm512_setzero_si512();
-  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ), idx, one);
-  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.75f), _CMP_GE_OQ), idx, one);
-  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.25f), _CMP_GT_OQ), idx, one);
-  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.75f), _CMP_GE_OQ), idx, one);
-  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.5f), _CMP_GT_OQ), idx, one);
-  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.5f), _CMP_GE_OQ), idx, one);
-  idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(a, _mm512_set1_ps(5.0f), _CMP_GT_OQ), idx, one);
+  __m512i sign;
+  const __m512i idx = e2m1_index_avx512(x, e, &sign);
   const __m512 grid = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0.0f, 0.5f, 1.0f, 1.5f, 2.0f,
                                      3.0f, 4.0f, 6.0f);
   const __m512 mag = _mm512_permutexvar_ps(idx, grid);
   const __m512 val = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign)),
                                    _mm512_set1_ps(s));
   store16(vals, val);
-  if (codes != nullptr) {
-    // code = idx | sign bit at bit 3; a 64-bit lane holds codes 2j (low) and 2j+1 (high): fold the high one to
-    // bits 4-7 and keep each lane's low byte
-    __m512i c = _mm512_or_si512(idx, _mm512_srli_epi32(sign, 28));
-    c = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi64_epi8(c));
-  }
+  if (codes != nullptr) store_codes_avx512(idx, sign, codes);
 }
 #endif
 
