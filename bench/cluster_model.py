@@ -51,8 +51,13 @@ class GPU:
 GPUS = {"B200": GPU("B200", 2.25e15, 9e15, 900e9, 50e9), "H100": GPU("H100", 0.989e15, None, 450e9, 50e9)}
 #: name: (parameters, layers); Llama-like shapes
 MODELS = {"1B": (1.2e9, 16), "7B": (6.7e9, 32), "13B": (13e9, 40), "70B": (70e9, 80)}
-CONFIGS = ("bf16", "nvfp4_bf16_gather", "nvfp4_nvfp4_gather")
+CONFIGS = ("bf16", "zeropp_hpz", "zeropp_qwz", "zeropp", "nvfp4_bf16_gather", "nvfp4_nvfp4_gather")
+#: the DeepSpeed baselines a user who cares about gather traffic picks from (ZeRO++, Wang et al. 2023)
+DEEPSPEED = ("bf16", "zeropp_hpz", "zeropp_qwz", "zeropp")
 GPUS_PER_NODE = 8
+#: ZeRO++ bytes per parameter: qwZ gathers INT8 weights with one FP32 scale per ~8,000 elements (DeepSpeed's
+#: CUDAQuantizer.target_group_size); qgZ reduce-scatters INT4 gradients (plus scales) by all-to-all
+QWZ_BYTES, QGZ_BYTES = 1.0 + 4 / 8000, 0.5 + 4 / 2048
 
 
 def step_time(gpu: GPU, params: float, layers: int, n: int, config: str, tokens: int = 8192, mfu: float = 0.4,
@@ -60,23 +65,38 @@ def step_time(gpu: GPU, params: float, layers: int, n: int, config: str, tokens:
     """Seconds per optimizer step on each of ``n`` GPUs, split into compute and exposed communication."""
     flops = 6 * params * tokens
     bf16 = mfu * gpu.bf16_flops
-    if config == "bf16":
+    nvfp4 = config.startswith("nvfp4")
+    if not nvfp4:  # BF16 ZeRO-3 and the ZeRO++ configurations: BF16 GEMMs
         fwd, bwd = flops / 3 / bf16, 2 * flops / 3 / bf16
     else:
         fp4 = mfu * gpu.fp4_flops if gpu.fp4_flops else bf16  # no FP4 cores: the forward is a BF16 GEMM again
         fwd = packed_share * flops / 3 / fp4 + (1 - packed_share) * flops / 3 / bf16
         bwd = 2 * flops / 3 / bf16
-    packed = int(packed_share * params) if config != "bf16" else 0
+    packed = int(packed_share * params) if nvfp4 else 0
     t = step_traffic(int(params), packed, all_gather="nvfp4" if config == "nvfp4_nvfp4_gather" else "bf16")
-    link, lat = (gpu.nvlink_bytes, gpu.nvlink_latency) if n <= GPUS_PER_NODE else (gpu.ib_bytes, gpu.ib_latency)
+    fwd_bytes = bwd_bytes = t.gather_bytes_per_pass
+    rs_bytes = t.reduce_scatter_bytes
+    if config in ("zeropp_qwz", "zeropp"):  # qwZ: INT8 gathers
+        fwd_bytes = bwd_bytes = params * QWZ_BYTES
+    if config == "zeropp":  # qgZ: INT4 gradients
+        rs_bytes = params * QGZ_BYTES
+    inter = n > GPUS_PER_NODE
+    link, lat = (gpu.ib_bytes, gpu.ib_latency) if inter else (gpu.nvlink_bytes, gpu.nvlink_latency)
     share = (n - 1) / n
     per_collective = (n - 1) * lat * layers
-    gather = t.gather_bytes_per_pass * share / link + per_collective
-    rs = t.reduce_scatter_bytes * share / link + per_collective
-    exposed_fwd = max(0.0, gather - overlap * fwd)
-    exposed_bwd = max(0.0, gather + rs - overlap * bwd)
+    fwd_gather = fwd_bytes * share / link + per_collective
+    if config in ("zeropp_hpz", "zeropp") and inter:
+        # hpZ: the backward gathers the node's secondary partition (BF16) over NVLink, never across nodes
+        k = GPUS_PER_NODE
+        bwd_gather = 2 * params * (k - 1) / k / gpu.nvlink_bytes + (k - 1) * gpu.nvlink_latency * layers
+    else:
+        bwd_gather = bwd_bytes * share / link + per_collective
+    rs = rs_bytes * share / link + per_collective
+    exposed_fwd = max(0.0, fwd_gather - overlap * fwd)
+    exposed_bwd = max(0.0, bwd_gather + rs - overlap * bwd)
+    comm = fwd_gather + bwd_gather + rs
     return {"compute_s": fwd + bwd, "exposed_s": exposed_fwd + exposed_bwd, "step_s": fwd + bwd + exposed_fwd
-            + exposed_bwd, "comm_s": 2 * gather + rs, "reduce_scatter_share_of_comm": rs / (2 * gather + rs)}
+            + exposed_bwd, "comm_s": comm, "reduce_scatter_share_of_comm": rs / comm}
 
 
 def predictions(overlap: float, tokens: int) -> dict:
@@ -102,7 +122,9 @@ def main() -> None:
 
     res = {str(ov): predictions(ov, args.tokens) for ov in (0.0, 0.9)}
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5), sharex=True)
-    style = {"bf16": ("tab:gray", "BF16 ZeRO-3"), "nvfp4_bf16_gather": ("tab:blue", "NVFP4, BF16 gathers"),
+    style = {"bf16": ("tab:gray", "BF16 ZeRO-3"), "zeropp_hpz": ("tab:olive", "BF16 ZeRO++ hpZ"),
+             "zeropp_qwz": ("tab:green", "BF16 ZeRO++ qwZ"), "zeropp": ("tab:purple", "BF16 ZeRO++ (qwZ+hpZ+qgZ)"),
+             "nvfp4_bf16_gather": ("tab:blue", "NVFP4, BF16 gathers"),
              "nvfp4_nvfp4_gather": ("tab:red", "NVFP4, NVFP4 gathers")}
     for row, gpu in enumerate(GPUS):
         for col, m in enumerate(MODELS):
@@ -119,25 +141,27 @@ def main() -> None:
                 ax.set_ylabel("tokens/s per GPU (model)")
             if row == 1:
                 ax.set_xlabel("GPUs (NVLink within 8, InfiniBand beyond)")
-    fig.legend(loc="lower center", ncol=3, fontsize=8)
+    fig.legend(loc="lower center", ncol=4, fontsize=8)
     fig.suptitle("ZeRO-3 throughput per GPU, modelled (bench/cluster_model.py): solid 90% overlap, dotted none")
     fig.tight_layout(rect=(0, 0.07, 1, 0.96))
     fig.savefig(args.out, dpi=110)
     print(f"wrote {args.out}")
-    # the table docs/scaling.md cites: 7B and 70B at 8 and 1,024 GPUs
-    print("| GPU | model | overlap | GPUs | BF16 tok/s/GPU | NVFP4 BF16-gather | NVFP4 NVFP4-gather | "
-          "NVFP4-gather gain | RS share of NVFP4 traffic |")
+    # the table docs/scaling.md cites: each size at 8 to 1,024 GPUs, NVFP4 gathers against plain ZeRO-3 and against
+    # the fastest DeepSpeed configuration (ZeRO-3 or a ZeRO++ combination) at that point
+    print("| GPU | model | overlap | GPUs | BF16 ZeRO-3 tok/s/GPU | best DeepSpeed (which) | NVFP4 NVFP4-gather | "
+          "vs ZeRO-3 | vs best DeepSpeed |")
     print("|---|---|---|---|---|---|---|---|---|")
     for gpu in GPUS:
         for m in MODELS:
             for ov in ("0.9", "0.0"):
-                for i in (0, 1, 7):
+                for i in range(len(res[ov][f"{gpu} {m}"]["bf16"])):
                     r = {c: res[ov][f"{gpu} {m}"][c][i] for c in CONFIGS}
                     tps = {c: args.tokens / r[c]["step_s"] for c in CONFIGS}
+                    best = max(DEEPSPEED, key=lambda c: tps[c])
                     print(f"| {gpu} | {m} | {ov} | {r['bf16']['gpus']} | {tps['bf16']:,.0f} | "
-                          f"{tps['nvfp4_bf16_gather']:,.0f} | {tps['nvfp4_nvfp4_gather']:,.0f} | "
-                          f"{tps['nvfp4_nvfp4_gather'] / tps['nvfp4_bf16_gather']:.2f}x | "
-                          f"{r['nvfp4_nvfp4_gather']['reduce_scatter_share_of_comm']:.0%} |")
+                          f"{tps[best]:,.0f} ({best}) | {tps['nvfp4_nvfp4_gather']:,.0f} | "
+                          f"{tps['nvfp4_nvfp4_gather'] / tps['bf16']:.2f}x | "
+                          f"{tps['nvfp4_nvfp4_gather'] / tps[best]:.2f}x |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"tokens": args.tokens, "predictions": res}, indent=1))
