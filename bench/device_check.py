@@ -9,7 +9,10 @@ Usage: python bench/device_check.py [--device cuda] [--tokens 4096] [--repeats 5
 2. forward+backward seconds of NVFP4Linear (mission and paper recipes) against BF16 ``nn.Linear`` for LLM shapes,
    ratios within the same run;
 3. the packed ZeRO-3 path on one rank: ``ds_nvfp4.initialize`` with ``ds_configs/nvfp4_zero3.json``, three steps,
-   packed bytes and finite losses.
+   packed bytes and finite losses;
+4. MoE experts: the grouped FP4 Linear (nn/grouped.py) equal bit for bit, forward and backward, to each expert's
+   ``fp4_linear`` on the device, and ``FP4Experts`` forward+backward against transformers' own BF16 experts
+   (``grouped_mm``) at E=64, top-8, hidden 1024, intermediate 512, ``--tokens`` tokens (when transformers is there).
 """
 
 from __future__ import annotations
@@ -120,6 +123,77 @@ def zero3_one_rank(dev: torch.device) -> dict:
             "storage": report.summary() if report is not None else "not packed"}
 
 
+def experts_check(dev: torch.device, tokens: int, repeats: int) -> dict:
+    """Section 4 of the module docstring."""
+    import copy
+
+    from ds_nvfp4.nn.grouped import grouped_fp4_linear
+    from ds_nvfp4.nn.ops import fp4_linear
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [37, 0, 200, 64, 1, 130]
+    x = torch.randn(sum(sizes), 256, generator=g).to(dev, torch.bfloat16).requires_grad_()
+    w = (torch.randn(len(sizes), 128, 256, generator=g) * 0.05).to(dev, torch.bfloat16).requires_grad_()
+    offsets = torch.tensor(sizes, device=dev).cumsum(0)
+    out = {}
+    for name, recipe in (("mission", Recipe()), ("paper", Recipe(backward_gemm="nvfp4", stochastic_rounding=False))):
+        y = grouped_fp4_linear(x, w, None, offsets, recipe)[0]
+        grad = torch.randn(y.shape, generator=g).to(dev, y.dtype)
+        dx, dw = torch.autograd.grad(y, (x, w), grad)
+        start, parts = 0, []
+        for e, end in enumerate(offsets.tolist()):
+            parts.append(fp4_linear(x[start:end], w[e], None, recipe) if end > start else y.new_zeros(0, 128))
+            start = end
+        ref = torch.cat(parts)
+        rdx, rdw = torch.autograd.grad(ref, (x, w), grad, allow_unused=True)
+        out[f"grouped_equals_per_expert_{name}"] = bool(torch.equal(y, ref) and torch.equal(dx, rdx)
+                                                        and torch.equal(dw, rdw))
+    try:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    except ImportError:
+        return {**out, "timing": "transformers not installed"}
+    from ds_nvfp4.nn.experts import FP4Experts
+    from ds_nvfp4.nn.moe import find_moe
+
+    cfg = Qwen3MoeConfig(hidden_size=1024, moe_intermediate_size=512, num_experts=64, num_experts_per_tok=8)
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    anchor = Qwen3MoeExperts(cfg).to(dev, torch.bfloat16)
+    for prm in anchor.parameters():  # a bare experts module is not initialised by its model's _init_weights
+        nn.init.normal_(prm, std=0.02)
+    holder = nn.Module()
+    holder.experts, holder.gate = copy.deepcopy(anchor), nn.Linear(1024, 64, bias=False)
+    fp4 = FP4Experts.convert(holder.experts, Recipe(), find_moe(holder).site_of("experts"))
+    hidden = torch.randn(tokens, 1024, device=dev, dtype=torch.bfloat16)
+    top_w, idx = torch.randn(tokens, 64, device=dev).softmax(-1).topk(8, dim=-1)
+    top_w = (top_w / top_w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    grad = torch.randn_like(hidden)
+
+    def run(m) -> float:
+        def once() -> None:
+            xi = hidden.detach().requires_grad_()
+            m.zero_grad(set_to_none=True)
+            m(xi, idx, top_w).backward(grad)
+
+        once()
+        sync(dev)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            once()
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    base, mine = run(anchor), run(fp4)
+    with torch.no_grad():
+        rel = float((fp4(hidden, idx, top_w) - anchor(hidden, idx, top_w)).float().norm()
+                    / anchor(hidden, idx, top_w).float().norm())
+    return {**out, "bf16_grouped_mm_s": base, "fp4_experts_s": mine, "ratio": mine / base,
+            "relative_error_vs_bf16": rel, "tokens": tokens}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -127,6 +201,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--shapes", type=int, default=len(SHAPES), help="how many of the LLM shapes to time")
     ap.add_argument("--skip-zero3", action="store_true")
+    ap.add_argument("--skip-experts", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device(args.device)
@@ -135,6 +210,8 @@ def main() -> None:
               "selection": ds_nvfp4.kernels.select(None, dev, smoke=False).describe(),
               "contract": contract_check(dev),
               "timings": timings(dev, args.tokens, args.repeats, SHAPES[: args.shapes])}
+    if not args.skip_experts:
+        result["experts"] = experts_check(dev, args.tokens, args.repeats)
     if not args.skip_zero3:
         result["zero3"] = zero3_one_rank(dev)
     c = result["contract"]
@@ -151,9 +228,18 @@ def main() -> None:
         z = result["zero3"]
         print(f"ZeRO-3 packed, 1 rank: losses {[round(v, 4) for v in z['losses']]} finite {z['finite']}; "
               f"{z['storage']}")
+    if "experts" in result:
+        x = result["experts"]
+        print(f"MoE experts: grouped == per-expert bit for bit: mission {x['grouped_equals_per_expert_mission']}, "
+              f"paper {x['grouped_equals_per_expert_paper']}"
+              + (f"; FP4Experts {x['fp4_experts_s']:.4f} s vs transformers grouped_mm BF16 "
+                 f"{x['bf16_grouped_mm_s']:.4f} s = {x['ratio']:.2f}x (E=64, top-8, 1024/512, {x['tokens']} tokens, "
+                 f"fwd+bwd), relative output error vs BF16 {x['relative_error_vs_bf16']:.3f}" if "ratio" in x
+                 else f"; {x.get('timing')}"))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     ok = c["within_contract"] and c["no_fp32_cuda_core_gemm"] and result.get("zero3", {"finite": True})["finite"]
+    ok = ok and all(v for k, v in result.get("experts", {}).items() if k.startswith("grouped_equals"))
     sys.exit(0 if ok else 1)
 
 
