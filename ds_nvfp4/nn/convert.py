@@ -83,7 +83,7 @@ def _projections(m: nn.Module, site: ExpertsSite, pname: str) -> tuple[list[list
         return None, None
     bias = f"{pname}_bias" if m.has_bias and hasattr(m, f"{pname}_bias") else None
     if pname == "gate_up_proj":
-        halves = [["gate_proj", "first_half"], ["up_proj", "second_half"]] if m.is_concatenated else \
+        halves = [["gate_proj", "first_half"], ["up_proj", "second_half"]] if getattr(m, "is_concatenated", True) else \
             [["gate_proj", "even"], ["up_proj", "odd"]]
         return halves, bias
     return [[pname, "all"]], bias

@@ -150,7 +150,7 @@ class FP4Experts(ExpertsFP4Base):
         h = self._grouped(first, x, offsets, row_group)
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
         h = self._grouped("down_proj", h, offsets, row_group)
-        if self.has_post_expert_norm:
+        if getattr(self, "has_post_expert_norm", False):
             h = self.post_expert_norm(h)
         weights = top_k_weights.reshape(-1)[perm]
         if getattr(self, "_is_expert_parallel", False):

@@ -29,8 +29,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-#: attributes transformers' ``use_experts_implementation`` gives an experts class (transformers >= 5)
-INTERFACE_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+#: attributes transformers' ``use_experts_implementation`` gives an experts class (transformers >= 5); later releases
+#: add ``is_concatenated`` and ``has_post_expert_norm``, read with their defaults (True, False) where absent
+INTERFACE_FLAGS = ("has_gate", "has_bias", "is_transposed")
 #: module types whose parameters are never expert weights (3-D convolution kernels, embedding tables, norms)
 _NOT_EXPERTS = (nn.modules.conv._ConvNd, nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.GroupNorm,
                 nn.modules.batchnorm._BatchNorm)
