@@ -95,7 +95,8 @@ def worker(args: argparse.Namespace) -> None:
     fp32 = sum(t.numel() * 4 for t in opt.fp32_partitioned_groups_flat)
     offload = bool(cfg["zero_optimization"].get("offload_optimizer"))
     device_state = lp_bytes + grad_bytes + (0 if offload else fp32 * 3)  # master + 2 Adam moments
-    out = {"rank": rank, "step_s": statistics.median(times), "linear_weight_bytes": weight_bytes,
+    out = {"rank": rank, "step_s": statistics.median(times), "step_s_samples": times,
+           "linear_weight_bytes": weight_bytes,
            "bf16_linear_weight_bytes": bf16_linear_bytes, "device_model_state_bytes": device_state,
            "offload": offload,
            "gathered_bytes_per_step": (store.gathered_bytes / measured) if store else None,
@@ -142,10 +143,10 @@ def main() -> None:
     every_block = "nvfp4_zero3_all_blocks_ablation.json"  # storage at its widest: every block's weights packed
     jobs = {
         "BF16 ZeRO-3": ("bf16_zero3.json", {}),
-        "NVFP4, bf16 all-gather": (every_block, {}),
+        "NVFP4, bf16 all-gather": (every_block, {"precision.communication.all_gather": "bf16"}),
         "NVFP4, nvfp4 all-gather": (every_block, {"precision.communication.all_gather": "nvfp4"}),
         "BF16 ZeRO-3 + offload_optimizer": ("bf16_zero3.json", offload),
-        "NVFP4 + offload_optimizer": (every_block, offload),
+        "NVFP4 + offload_optimizer": (every_block, {**offload, "precision.communication.all_gather": "bf16"}),
     }
     res = {name: run_job(p, o, args)[0] for name, (p, o) in jobs.items()}
     base = res["BF16 ZeRO-3"]
@@ -160,7 +161,12 @@ def main() -> None:
               f"{r['linear_weight_bytes'] / base['linear_weight_bytes']:6.4f}x {r['device_model_state_bytes']:16,} "
               f"{gb:>14s} {st:>13s}")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        sys.path.insert(0, str(ROOT / "bench"))
+        from _timing import context
+
+        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k in
+                                                        ("d", "layers", "steps")}, **context(), "rows": res},
+                                              indent=2))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,128 @@
+"""docs/benchmarks.md's tables, generated from the kept raw output of the benchmarks (docs/evidence/bench, gpu).
+
+Usage: python bench/tables.py [--check]
+Each table sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` in docs/benchmarks.md and is rewritten
+from its JSON (every timed call, the machine, the command: bench/_timing.py). ``--check`` rewrites nothing and exits 1
+when a table in the doc differs from what its kept file gives (tests/test_benchmark_tables.py runs it), so no figure
+in docs/benchmarks.md can drift from its kept output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "benchmarks.md"
+EVIDENCE = ROOT / "docs" / "evidence"
+
+
+def _load(name: str) -> dict:
+    return json.loads((EVIDENCE / name).read_text())
+
+
+def _machine(d: dict) -> str:
+    m = d["machine"]
+    return f"{m['name']} ({m['bf16_gemm']}), {d['threads']} threads, torch {d['torch']}; `{d['command']}`"
+
+
+def _samples(row: dict) -> str:
+    xs = row["seconds"]
+    return f"{len(xs)} calls, {min(xs):.3f}-{max(xs):.3f} s"
+
+
+def quantize() -> list[str]:
+    d = _load("bench/quantize_amx.json")
+    out = [f"{d['header']}; {_machine(d)}", "",
+           "| operation | ns / element | of copy bandwidth | median ms | calls |", "|---|---|---|---|---|"]
+    for name, r in d["rows"].items():
+        out.append(f"| {name} | {r['ns_per_element']:.2f} | {r['copy_bw_fraction']:.0%} | {1e3 * r['median']:.1f} | "
+                   f"{len(r['seconds'])} |")
+    return out
+
+
+def _ratio_table(d: dict, key: str, column: str) -> list[str]:
+    out = [f"{d['header']}; {_machine(d)}", "", f"| row | median s | {column} | samples |", "|---|---|---|---|"]
+    for name, r in d["rows"].items():
+        out.append(f"| {name} | {r['median']:.3f} | **{r[key]:.2f}x** | {_samples(r)} |")
+    return out
+
+
+def gemm() -> list[str]:
+    out = _ratio_table(_load("bench/gemm_amx.json"), "ratio_to_bf16_linear", "vs BF16 nn.Linear")
+    out += ["", "The same with oneDNN capped at AVX512_CORE_BF16 (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`, no AMX) on that "
+            "Xeon, whose BF16 GEMMs then run slower than its FP32 ones: no stand-in for an AVX512-BF16 EPYC:", ""]
+    out += _ratio_table(_load("bench/gemm_avx512bf16_onednn_cap.json"), "ratio_to_bf16_linear", "vs BF16 nn.Linear")
+    return out
+
+
+def experts() -> list[str]:
+    out = _ratio_table(_load("bench/experts_amx.json"), "ratio_to_grouped_mm", "vs transformers grouped_mm")
+    out += ["", "With oneDNN capped at AVX512_CORE_BF16 (as above):", ""]
+    out += _ratio_table(_load("bench/experts_avx512bf16_onednn_cap.json"), "ratio_to_grouped_mm",
+                        "vs transformers grouped_mm")
+    return out
+
+
+def zero() -> list[str]:
+    d = _load("bench/zero.json")
+    rows = d["rows"]
+    base = rows["BF16 ZeRO-3"]
+    out = [f"2 ranks x 1 thread, d={d['args']['d']}, {d['args']['layers']} blocks, seq 64, micro-batch 4, median of "
+           f"{d['args']['steps'] - 2} steps (rank 0); {_machine(d)}", "",
+           "| run | step s | vs BF16 | Linear weight bytes/rank | ratio | model-state bytes on device/rank | "
+           "all-gather bytes/step (packed) | store s/step |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        gb = f"{r['gathered_bytes_per_step']:,.0f}" if r["gathered_bytes_per_step"] is not None else "-"
+        st = f"{sum(r['store_seconds_per_step'].values()):.3f}" if r["store_seconds_per_step"] else "-"
+        out.append(f"| {name} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f}x | "
+                   f"{r['linear_weight_bytes']:,} | {r['linear_weight_bytes'] / base['linear_weight_bytes']:.4f}x | "
+                   f"{r['device_model_state_bytes']:,} | {gb} | {st} |")
+    return out
+
+
+def autohook() -> list[str]:
+    d = _load("bench/autohook.json")
+    on, off = statistics.median(d["start_ms_hook_on"]), statistics.median(d["start_ms_hook_off"])
+    return [f"median of {d['n']} each; {_machine(d)}", "",
+            "| measurement | median |", "|---|---|",
+            f"| `ds_nvfp4_autohook` import at start-up (`-X importtime`, cumulative) | "
+            f"{statistics.median(d['hook_import_us']) / 1000:.2f} ms |",
+            f"| `python -c pass`, hook on | {on:.1f} ms |", f"| `python -c pass`, hook off (`DS_NVFP4_AUTO=0`) | {off:.1f} ms |"]
+
+
+TABLES = {"quantize": quantize, "gemm": gemm, "experts": experts, "zero": zero, "autohook": autohook}
+
+
+def render(text: str) -> str:
+    for name, fn in TABLES.items():
+        pattern = re.compile(rf"(<!-- table:{name} -->\n).*?(<!-- /table:{name} -->)", re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"{DOC}: no <!-- table:{name} --> ... <!-- /table:{name} --> markers")
+        body = "\n".join(fn())
+        text = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(2), text)
+    return text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md differs from the kept files")
+    args = ap.parse_args()
+    text = DOC.read_text()
+    new = render(text)
+    if args.check:
+        if new != text:
+            print(f"{DOC}: a table differs from what its kept output gives: run python bench/tables.py",
+                  file=sys.stderr)
+            sys.exit(1)
+        return
+    DOC.write_text(new)
+    print(f"wrote {len(TABLES)} tables into {DOC}")
+
+
+if __name__ == "__main__":
+    main()
