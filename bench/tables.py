@@ -54,8 +54,9 @@ def _ratio_table(d: dict, key: str, column: str) -> list[str]:
 
 def gemm() -> list[str]:
     out = _ratio_table(_load("bench/gemm_amx.json"), "ratio_to_bf16_linear", "vs BF16 nn.Linear")
-    out += ["", "The same with oneDNN capped at AVX512_CORE_BF16 (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`, no AMX) on that "
-            "Xeon, whose BF16 GEMMs then run slower than its FP32 ones: no stand-in for an AVX512-BF16 EPYC:", ""]
+    out += ["", "The same with oneDNN capped at AVX512_CORE_BF16 (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`, no AMX) on "
+            "that Xeon, whose BF16 GEMMs then run slower than its FP32 ones: no stand-in for an AVX512-BF16 EPYC:",
+            ""]
     out += _ratio_table(_load("bench/gemm_avx512bf16_onednn_cap.json"), "ratio_to_bf16_linear", "vs BF16 nn.Linear")
     return out
 
@@ -92,7 +93,8 @@ def autohook() -> list[str]:
             "| measurement | median |", "|---|---|",
             f"| `ds_nvfp4_autohook` import at start-up (`-X importtime`, cumulative) | "
             f"{statistics.median(d['hook_import_us']) / 1000:.2f} ms |",
-            f"| `python -c pass`, hook on | {on:.1f} ms |", f"| `python -c pass`, hook off (`DS_NVFP4_AUTO=0`) | {off:.1f} ms |"]
+            f"| `python -c pass`, hook on | {on:.1f} ms |",
+            f"| `python -c pass`, hook off (`DS_NVFP4_AUTO=0`) | {off:.1f} ms |"]
 
 
 TABLES = {"quantize": quantize, "gemm": gemm, "experts": experts, "zero": zero, "autohook": autohook}
