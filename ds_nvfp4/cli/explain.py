@@ -65,8 +65,8 @@ def describe(ds: dict, pc: PrecisionConfig) -> list[str]:
         f"{nf.max_consecutive_skips} in a row raise ds_nvfp4.NonFiniteError"))
     if not (pc.modules.keep_first_blocks_bf16 or pc.modules.keep_last_blocks_bf16
             or pc.modules.keep_last_fraction_bf16):
-        lines.append("  Every transformer block is FP4: on the 5M reference model this ends ~2% above BF16's "
-                     "validation loss, where keeping the first and the last block BF16 matches it (docs/results.md; "
+        lines.append("  Every transformer block is FP4: the shipped presets keep the first block and the final 15% "
+                     "of blocks BF16, the recipe their evidence measures (docs/results.md; "
                      "ds_configs/nvfp4_zero3.json).")
     plan = SchedulePlan.from_config(pc, ds)
     if plan.active:
