@@ -108,6 +108,7 @@ def initialize(*args, **kwargs):
     scopes = ("engine",) + (("pipeline",) if is_pipeline(engine) else ()) + (("packed",) if packed else ())
     sample = next((p for p in engine.module.parameters() if id(p) in converted), None)
     seams.check(seams.Targets(engine, engine.optimizer, sample), scopes)  # before anything is changed
+    state.seam_scopes = scopes
     if is_pipeline(engine):
         conversion.notes.append(stage_note(engine))
     if packed:

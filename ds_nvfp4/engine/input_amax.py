@@ -21,7 +21,7 @@ def _local(module: torch.nn.Module) -> dict[str, float | None]:
                 out.update({f"{n}.{pname}.{e}": float(v) if v > 0 else None for e, v in enumerate(amax.tolist())})
             for pname, _, _ in m.fp4_weights():
                 if pname not in m.input_amax:
-                    out.update({f"{n}.{pname}.{e}": None for e in range(m.num_experts)})
+                    out.update({f"{n}.{pname}.{e}": None for e in range(m.site.experts)})
         else:
             out[n] = float(m.input_amax) if m.input_amax is not None else None
     return out

@@ -32,12 +32,17 @@ class NVFP4State:
     #: this process's data-parallel rank and the world size (from deepspeed.comm, the one source)
     rank: int = 0
     world_size: int = 1
+    #: the seam scopes checked at initialize (zero/seams.py): "engine", plus "pipeline" and "packed" where they apply
+    seam_scopes: tuple[str, ...] = ()
 
     # -- views of the features (kept as the attributes earlier releases had) -------------------------------------
     @property
     def stats(self) -> StatsCollector | None:
         """The statistics collector (``precision.monitor.enabled``), or None."""
-        return getattr(self.lifecycle.feature("statistics"), "collector", None) if self.lifecycle else None
+        if self.lifecycle is None:
+            return None
+        feature = next((f for f in self.lifecycle.features if f.name == "statistics"), None)
+        return getattr(feature, "collector", None)  # None when precision.monitor is off (no such feature)
 
     @property
     def schedule(self) -> ScheduleState:

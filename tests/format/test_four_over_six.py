@@ -178,3 +178,16 @@ def test_an_export_of_4over6_weights_is_standard_nvfp4_to_a_reader(fmt: str) -> 
     got = vals * t["l.weight_scale"].float().repeat_interleave(16, 1) * glob
     assert torch.allclose(got, q.dequantize(F32), rtol=2 ** -22, atol=0)
     assert not torch.allclose(got * 1536.0 / 2688.0, q.dequantize(F32))  # not read as if the bound were 448
+
+
+@pytest.mark.parametrize("block", ["1x16", "16x16"])
+def test_a_non_finite_element_poisons_a_4over6_tensor_also_with_a_given_finite_amax(block: str) -> None:
+    """As standard NVFP4 does: a NaN/Inf in the data makes the amax NaN and every decoded value NaN, also when the
+    amax comes from outside (ZeRO-3's agreed amax, a fused group's), which is finite."""
+    import ds_nvfp4
+
+    x = torch.randn(32, 64)
+    x[5, 7] = float("nan")
+    for scaling in ("4over6", "6"):
+        q = ds_nvfp4.quantize(x, block=block, scaling=scaling, amax=torch.tensor(3.0))
+        assert bool(q.nonfinite) and q.dequantize(torch.float32).isnan().all(), scaling

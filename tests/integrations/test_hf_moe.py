@@ -100,11 +100,12 @@ def test_moe_exports_use_per_expert_names_and_the_bf16_one_loads_in_transformers
     assert BIN.exists()
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "dbrx", "llama4_text"])
+@pytest.mark.parametrize("family", ["gpt_oss", "dbrx", "llama4_text", "gpt2"])
 def test_bf16_exports_of_the_new_moe_families_load_in_transformers_with_the_trained_weights(
         runs: Path, tmp_path: Path, family: str) -> None:
     """transformers writes the BF16 export itself (save_pretrained of the model built from the checkpoint's config),
-    so each family's own layout loads back: every weight equals what the training forward multiplied."""
+    so each family's own layout loads back: every weight equals what the training forward multiplied (GPT-2: its
+    Conv1D weights in their stored [in, out] layout)."""
     from transformers import AutoModelForCausalLM
 
     _export(runs / family / "checkpoint-6", tmp_path / "bf16", "bf16")
@@ -114,7 +115,7 @@ def test_bf16_exports_of_the_new_moe_families_load_in_transformers_with_the_trai
     got = {n: params[n] if n in params else params[f"{n}.weight"] for n in seen}  # Linears are named as modules
     assert seen and all(torch.equal(got[n], w) for n, w in seen.items()), \
         [n for n, w in seen.items() if not torch.equal(got[n], w)][:4]
-    assert any(".experts." in n for n in seen)
+    assert any(".experts." in n or ".c_attn" in n for n in seen)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
@@ -145,3 +146,24 @@ def test_nvfp4_exports_name_gpt_oss_experts_per_expert_with_biases_and_refuse_un
                             str(tmp_path / family), "--format", "nvfp4-modelopt"], capture_output=True, text=True,
                            timeout=600, cwd=ROOT)
         assert r.returncode != 0 and "own forward" in r.stderr and not (tmp_path / family).exists(), r.stderr
+
+
+def test_moe_export_is_w4a4_with_each_experts_own_recorded_input_amax(runs: Path, tmp_path: Path) -> None:
+    """Training recorded each expert's input amax (``<module>.<parameter>.<expert>``): the NVFP4 export declares
+    W4A4 and writes every expert projection's static input scale from its own expert's amax (gate and up share the
+    gate_up input)."""
+    from safetensors import safe_open
+
+    ckpt = runs / "qwen3_moe" / "checkpoint-6"
+    said = _export(ckpt, tmp_path / "ct", "nvfp4-compressed-tensors")
+    meta = json.loads(next(ckpt.glob("global_step*/ds_nvfp4.json")).read_text())
+    amax = meta["input_amax"]
+    assert "W4A4" in said, said
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
+        for layer in range(3):
+            key = f"model.layers.{layer}.mlp.experts"
+            for e in range(4):
+                for proj, param in (("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj"),
+                                    ("down_proj", "down_proj")):
+                    got = float(f.get_tensor(f"{key}.{e}.{proj}.input_global_scale"))
+                    assert got == pytest.approx(2688.0 / amax[f"{key}.{param}.{e}"], rel=1e-6), (key, e, proj)

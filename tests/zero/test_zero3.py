@@ -338,6 +338,8 @@ def test_pipeline_engine_gets_fp4_layers_and_every_feature(tmp_path) -> None:
     res = run_ranks("pipeline", dir=str(tmp_path / "ckpt"))
     for r in res:
         assert r["type"].startswith("NVFP4PipelineEngine")
+        # the pipeline's DeepSpeed names (train_batch, layer specs, stage grid) were checked at start-up
+        assert r["seam_scopes"] == ["engine", "pipeline"] and r["stats_when_monitor_off"], r["seam_scopes"]
         assert r["losses_cache1"] == r["losses_cache0"] and all(math.isfinite(v) for v in r["losses_cache1"])
         assert r["phases"] == ["warmup", "fp4", "fp4", "fp4"]
         assert r["resumed_losses"] == r["schedule_losses"][2:], (r["resumed_losses"], r["schedule_losses"])

@@ -764,6 +764,8 @@ def scenario_pipeline(rank: int, p: dict) -> dict:
     out["conversion"] = engine.ds_nvfp4.conversion.to_dict()
     out["fp4_layers"] = sorted(n for n, m in engine.module.named_modules() if isinstance(m, NVFP4Linear))
     out["type"] = type(engine).__name__
+    out["seam_scopes"] = list(engine.ds_nvfp4.seam_scopes)
+    out["stats_when_monitor_off"] = engine.ds_nvfp4.stats is None
     # the spike guard reads train_batch's loss (a PipelineEngine's backward is internal): its history is that loss
     sched = {"bf16_warmup_steps": 1, "spike_guard": {}}
     engine = _pipeline_engine(p, "1", **{"precision.schedule": sched})
