@@ -15,7 +15,7 @@ PKG = ROOT / "ds_nvfp4"
 #: with config, checkpoint, export and envcheck beside them; cli and evaluation on top
 ALLOWED = {
     "format": set(),
-    "config": set(),
+    "config": {"kernels"},  # precision.kernel's allowed names come from the backend registry
     "kernels": {"format"},
     "nn": {"format", "kernels", "config"},
     "zero": {"format", "kernels", "nn", "config"},

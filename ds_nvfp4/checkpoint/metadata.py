@@ -5,6 +5,8 @@ A versioned pydantic model, read through :func:`read_metadata` only. Schema vers
 * 1 (ds-nvfp4 0.1.0 before the engine lifecycle): no ``schema_version`` key; ``packed`` absent in the oldest files
   (then ``weights.storage: "nvfp4"`` meant packed).
 * 2: ``schema_version``, ``ds_nvfp4_version`` and ``world_size`` (how many ranks wrote RNG files) added.
+* 3: ``features``: each engine feature's ``state_dict()`` by feature name (engine/lifecycle.py); the schedule's
+  state, a top-level ``schedule`` in version 2, is ``features.schedule``.
 
 Older files load (a kept version-1 fixture is tested); a file from a newer ds-nvfp4 is refused with a message that
 says so. The ``precision`` section is kept as written (a dict): a section from another release must not make a
@@ -21,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 FILE = "ds_nvfp4.json"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class CheckpointError(ValueError):
@@ -78,9 +80,18 @@ class CheckpointMetadata(_Record):
     stored_bf16: list[str] = Field(default_factory=list)
     #: ranks that saved the checkpoint (each wrote its RNG state); None before schema 2
     world_size: int | None = None
-    #: precision.schedule as it ran (engine/schedule.py ``ScheduleState.to_dict``: phases, transitions, what
-    #: ``bf16_from: "lr_decay"`` found); None in files written before it was recorded
+    #: each engine feature's state by feature name (``Feature.state_dict``), schema 3 on; read through
+    #: :meth:`feature_state`
+    features: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    #: schema 2 only: the schedule feature's state (now ``features["schedule"]``)
     schedule: dict[str, Any] | None = None
+
+    def feature_state(self, name: str) -> dict[str, Any] | None:
+        """The state feature ``name`` saved, or None when this file holds none (older files: the schedule's was a
+        top-level ``schedule``)."""
+        if name in self.features:
+            return self.features[name]
+        return self.schedule if name == "schedule" and self.schema_version < 3 else None
 
     @property
     def stored_packed(self) -> bool:

@@ -55,12 +55,27 @@ def _field_at(loc: tuple) -> Any:
     return model.model_fields.get(str(loc[-1])) if model is not None and loc else None
 
 
+def _registered_values(field: Any) -> list | None:
+    """The values of a field whose allowed set is known only at run time (``precision.kernel``: the registered
+    backends), read from the JSON-schema ``enum`` its ``json_schema_extra`` writes; None for other fields."""
+    extra = getattr(field, "json_schema_extra", None)
+    if not callable(extra):
+        return None
+    schema: dict = {}
+    extra(schema)
+    return next((m["enum"] for m in schema.get("anyOf", [schema]) if "enum" in m), None)
+
+
 def _allowed_values(loc: tuple) -> tuple[str, ...]:
     field = _field_at(loc)
     if field is None:
         return ()
     values: list[str] = []
     ann = field.annotation
+    registered = _registered_values(field)
+    if registered is not None:
+        values = [json.dumps(v) for v in registered]
+        return tuple(values + ["null"] if type(None) in typing.get_args(ann) else values)
     members = (ann,) if typing.get_origin(ann) is typing.Literal else (typing.get_args(ann) or (ann,))
     for arg in members:
         if typing.get_origin(arg) is typing.Literal:
@@ -128,7 +143,7 @@ def _pydantic_problem(err: dict) -> Problem:
         close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         return Problem(path, f"unknown key {loc[-1]!r}{hint}", tuple(known))
-    if kind == "literal_error":
+    if kind == "literal_error" or (kind == "value_error" and _registered_values(_field_at(loc)) is not None):
         return Problem(path, f"{_show(got)} is not a valid value", _allowed_values(loc))
     if kind in ("bool_type", "bool_parsing"):
         return Problem(path, f"expected a JSON boolean, got {_show(got)}", ("true", "false"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class StrictModel(BaseModel):
@@ -158,11 +158,21 @@ class PrecisionConfig(StrictModel):
     backward: BackwardConfig = Field(default_factory=BackwardConfig)
     communication: CommunicationConfig = Field(default_factory=CommunicationConfig)
     modules: ModulesConfig = Field(default_factory=ModulesConfig)
-    kernel: Literal["emulated", "torch", "transformer_engine"] | None = Field(
-        None, description="GEMM backend; null picks the best available and logs why")
+    kernel: str | None = Field(
+        None, description="GEMM backend, one registered in ds_nvfp4/kernels (kernels/registry.py); null picks the "
+                          "best available and logs why",
+        json_schema_extra=lambda schema: schema.update(anyOf=[{"enum": list(kernel_names())}, {"type": "null"}]))
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+
+    @field_validator("kernel")
+    @classmethod
+    def _registered_kernel(cls, v: str | None) -> str | None:
+        names = kernel_names()
+        if v is not None and v not in names:
+            raise ValueError(f"{v!r} is not a GEMM backend: allowed {', '.join(map(repr, names))}, or null")
+        return v
 
     def stored_packed(self, stage: int) -> bool:
         """Whether converted weights are stored packed NVFP4 at ZeRO ``stage`` (``weights.storage`` null follows the
@@ -201,3 +211,11 @@ class PrecisionConfig(StrictModel):
 AUTO_ADVICE = {
     "kernel": "write null to let ds_nvfp4 pick the best available GEMM backend (it logs its choice)",
 }
+
+
+def kernel_names() -> tuple[str, ...]:
+    """The GEMM backends ``precision.kernel`` accepts: those registered in ds_nvfp4/kernels (kernels/registry.py),
+    most preferred first. Imported on first use: validating a config loads the backend files, nothing else."""
+    from ..kernels.registry import names
+
+    return names()

@@ -1,7 +1,8 @@
 """Feature ``checkpoint``: self-describing, crash-safe checkpoints that resume bit for bit.
 
 * ``<dir>/<tag>/ds_nvfp4.json`` (checkpoint/metadata.py) holds the precision section, the conversion report, the
-  agreed input amaxes (W4A4 export) and the storage facts.
+  agreed input amaxes (W4A4 export), the storage facts and every feature's ``state_dict()``; on a load each feature
+  gets its own back (``load_state_dict``) before any feature's ``after_load`` runs (this feature is first).
 * ``<dir>/<tag>/ds_nvfp4_rng_rank{r}.pt``: each rank's random-number state (stochastic rounding draws from torch's
   generators), written *before* DeepSpeed's closing barrier, so ``latest`` never names a checkpoint without it.
 * ``<dir>/latest`` moves to the new tag only once every rank has written its files: DeepSpeed 0.19 lets rank 0
@@ -71,14 +72,28 @@ class Checkpoints(Feature):
             schema_version=SCHEMA_VERSION, ds_nvfp4_version=__version__, precision=state.precision.model_dump(),
             conversion=state.conversion.to_dict(), input_amax=self._input_amax, packed=store is not None,
             stored_bf16=sorted(n.removesuffix(".weight") for n in store.kept_bf16) if store is not None else [],
-            world_size=state.world_size, schedule=state.schedule.to_dict())
+            world_size=state.world_size, features=state.lifecycle.state_dicts())
         write_metadata(os.path.join(save.save_dir, save.tag, FILE), meta)
         if save.save_latest and not save.decoupled:
             write_atomically(os.path.join(save.save_dir, "latest"), save.tag)
 
     def after_load(self, state: NVFP4State, load: LoadContext) -> None:
-        """Restore this rank's generators, or say why the resumed run will not repeat an uninterrupted one."""
+        """Every feature's saved state back; this rank's generators restored (or why the resumed run will not repeat
+        an uninterrupted one)."""
         tag_dir = os.path.join(load.load_dir, load.tag)
+        file = os.path.join(tag_dir, FILE)
+        try:
+            meta = read_metadata(file)
+        except CheckpointError as exc:
+            meta = None  # each feature starts afresh (and says so)
+            if os.path.exists(file) and state.rank == 0:
+                log.warning("ds_nvfp4: %s; the weights, masters and optimizer state loaded, the ds_nvfp4 features "
+                            "start afresh", exc)
+        for f in state.lifecycle.features:
+            f.load_state_dict(meta.feature_state(f.name) if meta is not None else None, file)
+        self._restore_rng(state, tag_dir, meta)
+
+    def _restore_rng(self, state: NVFP4State, tag_dir: str, meta: CheckpointMetadata | None) -> None:
         path = rng_path(tag_dir, state.rank)
         if os.path.exists(path):
             saved = torch.load(path, weights_only=True)
@@ -88,10 +103,6 @@ class Checkpoints(Feature):
             return
         if state.rank != 0:
             return
-        try:
-            meta = read_metadata(os.path.join(tag_dir, FILE))
-        except CheckpointError:
-            meta = None
         if meta is None:
             why = (f"{tag_dir} is a plain DeepSpeed checkpoint (no {FILE}): its weights, FP32 masters and optimizer "
                    "state loaded as usual, and it holds no random-number state")

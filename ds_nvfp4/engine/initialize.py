@@ -123,11 +123,12 @@ def initialize(*args, **kwargs):
         for label, why in state.store.unfused.items():
             _unfuse(engine.module, conversion, [label.split(", ")], why)
     schedule = Schedule(engine, state, SchedulePlan.from_config(precision, ds_config), layers)
-    # THE ORDER of the features (docs/architecture.md, engine/lifecycle.py): every hook runs them in this order
-    features: list[Feature] = [WeightCache(state, layers), NonFiniteGuard(engine)]
+    state.schedule_feature, state.nonfinite_feature = schedule, NonFiniteGuard(engine)
     if precision.monitor.enabled:
-        features.append(Statistics(engine, precision.monitor.interval))
-    features += [schedule, Checkpoints(engine)]
+        state.statistics_feature = Statistics(engine, precision.monitor.interval)
+    # THE ORDER of the features (docs/architecture.md, engine/lifecycle.py): every hook runs them in this order
+    features: list[Feature] = [Checkpoints(engine), WeightCache(state, layers), state.nonfinite_feature,
+                               *([state.statistics_feature] if state.statistics_feature is not None else []), schedule]
     install(engine, state, features)
     schedule.start(state)
     if state.rank == 0 or (is_pipeline(engine) and engine.grid.get_data_parallel_rank() == 0):

@@ -6,13 +6,21 @@ process are untouched): its ``step`` (``train_batch`` for a ``PipelineEngine``),
 :func:`ds_nvfp4.engine.initialize` builds (docs/architecture.md); its ``backward`` keeps the loss for the step's
 :class:`StepOutcome` when a feature reads it (the spike guard), and otherwise only passes it on:
 
-1. ``weight_cache``   drops the layers' cached weight codes: the next forward must quantize the new weights;
-2. ``nonfinite``      reads DeepSpeed's skip of a step with NaN/Inf gradients; raises or counts (after 1, so a
+1. ``checkpoint``     metadata, each rank's RNG state and every feature's :meth:`Feature.state_dict`, ``latest``
+                      moved atomically (save and load hooks only); first, so that on a load every feature's
+                      state is back before any feature's ``after_load`` acts on it;
+2. ``weight_cache``   drops the layers' cached weight codes: the next forward must quantize the new weights;
+3. ``nonfinite``      reads DeepSpeed's skip of a step with NaN/Inf gradients; raises or counts (after 2, so a
                       caught error leaves no stale codes behind);
-3. ``statistics``     writes the finished step's quantization statistics to DeepSpeed's monitor;
-4. ``schedule``       puts the engine in the next step's phase (may re-pack the storage): last of the step
-                      hooks, because it changes what the next step runs;
-5. ``checkpoint``     metadata, each rank's RNG state, ``latest`` moved atomically (save and load hooks).
+4. ``statistics``     writes the finished step's quantization statistics to DeepSpeed's monitor;
+5. ``schedule``       puts the engine in the next step's phase (may re-pack the storage): last of the step
+                      hooks, because it changes what the next step runs.
+
+A feature with state a resumed run needs (the schedule's learning-rate history and spike-guard episodes, the
+non-finite skip counts) returns it from :meth:`Feature.state_dict` (JSON-able) and takes it back in
+:meth:`Feature.load_state_dict`, as PyTorch's ``Stateful`` does: the checkpoint feature merges them into the
+versioned ``ds_nvfp4.json`` under ``features.<name>``. Adding such a feature is its own file plus one line in the
+list :func:`ds_nvfp4.engine.initialize` builds (docs/architecture.md has a worked example).
 
 "An optimizer step happened" is DeepSpeed's own counter moving: ``global_steps`` counts applied and skipped steps
 alike, with managed and unmanaged gradient accumulation and in a ``PipelineEngine`` (whose ``train_batch`` never
@@ -83,7 +91,18 @@ class Feature:
         """After DeepSpeed's closing barrier: every rank's files are complete."""
 
     def after_load(self, state: NVFP4State, load: LoadContext) -> None:
-        """After DeepSpeed loaded a checkpoint (model, masters, optimizer state, step counters)."""
+        """After DeepSpeed loaded a checkpoint (model, masters, optimizer state, step counters) and every feature
+        got its saved state back (:meth:`load_state_dict`)."""
+
+    def state_dict(self) -> dict | None:
+        """What a resumed run needs of this feature, JSON-able (saved in ``ds_nvfp4.json`` under
+        ``features.<name>``); None: the feature has no state."""
+        return None
+
+    def load_state_dict(self, saved: dict | None, source: str) -> None:
+        """Take back what :meth:`state_dict` returned. ``saved`` is None when the checkpoint holds nothing for this
+        feature (a plain DeepSpeed checkpoint, or one from a run without it): start afresh and say so. ``source``
+        names the file, for messages."""
 
 
 class Lifecycle:
@@ -101,8 +120,9 @@ class Lifecycle:
     def order(self) -> list[str]:
         return [f.name for f in self.features]
 
-    def feature(self, name: str) -> Feature:
-        return next(f for f in self.features if f.name == name)
+    def state_dicts(self) -> dict[str, dict]:
+        """Every feature's state that a resumed run needs, by feature name (features without state left out)."""
+        return {f.name: sd for f in self.features if (sd := f.state_dict()) is not None}
 
     def note_loss(self, loss: Any) -> None:
         """A loss given to ``engine.backward`` (kept detached, summed at the step: no sync per micro-batch)."""

@@ -4,7 +4,8 @@ DeepSpeed's BF16 optimizers (every ZeRO stage, ``bf16.check_grad_overflow`` true
 agree on the result across ranks, skip the step (masters and optimizer state untouched) and count it in
 ``engine.skipped_steps``. This feature reads that counter (no second pass over the gradients) and raises
 :class:`~ds_nvfp4.nn.NonFiniteError` on every rank, or counts, reports and bounds the skips, naming the first FP4
-layers whose forward saw a non-finite input or output.
+layers whose forward saw a non-finite input or output. The counts are saved with each checkpoint
+(:meth:`NonFiniteGuard.state_dict`): a resumed run keeps counting, and ``max_consecutive_skips`` spans the resume.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ class NonFiniteGuard(Feature):
         #: optimizer steps skipped so far, and in a row
         self.skipped = 0
         self.consecutive = 0
+
+    def state_dict(self) -> dict:
+        return {"skipped": self.skipped, "consecutive": self.consecutive}
+
+    def load_state_dict(self, saved: dict | None, source: str) -> None:
+        # a checkpoint without the counts (older, or plain DeepSpeed) restarts them: nothing to warn about, the
+        # counts only bound future skips
+        self.skipped = int((saved or {}).get("skipped", 0))
+        self.consecutive = int((saved or {}).get("consecutive", 0))
 
     def after_step(self, state: NVFP4State, outcome: StepOutcome) -> None:
         cfg = state.precision.nonfinite

@@ -9,7 +9,7 @@ same on every rank, so the ranks agree without a collective) and fixes the late 
 learning rate is below the one before, after at least :data:`MIN_STABLE_STEPS` steps at a constant peak: the decay
 phase of a warmup-stable-decay schedule (HF ``get_wsd_schedule``, a LambdaLR, ...). A schedule that falls straight
 after its warm-up (cosine, linear) has no such step: the run says so once and makes no switch. What was found is
-saved in each checkpoint's ds_nvfp4.json, so a resumed run switches at the same step.
+saved in each checkpoint's ds_nvfp4.json (:meth:`Schedule.state_dict`), so a resumed run switches at the same step.
 
 ``spike_guard``: :class:`~ds_nvfp4.engine.spike_guard.SpikeGuard` reads each step's loss (pooled over the ranks)
 and opens BF16 episodes (phase ``guard``); each one is announced on rank 0, written to the monitor
@@ -19,10 +19,8 @@ and opens BF16 episodes (phase ``guard``); each one is announced on rank 0, writ
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field, replace
 
-from ..checkpoint.metadata import FILE, CheckpointError, read_metadata
 from ..config.schedule import GUARD, Phase, SchedulePlan
 from .announce import announce
 from .lifecycle import Feature, LoadContext, StepOutcome
@@ -151,14 +149,33 @@ class Schedule(Feature):
             self._watch_loss(state, outcome, ran)
         self._to_next_step(state)
 
+    def state_dict(self) -> dict:
+        """The schedule as it ran (phases, transitions, what ``lr_decay`` found, the spike guard's episodes)."""
+        return self.state.to_dict()
+
+    def load_state_dict(self, saved: dict | None, source: str) -> None:
+        """What an earlier run found about its decay and the spike guard's history; else both start afresh (said).
+        The phase itself is not restored: it is a function of the step (:meth:`after_load` applies it)."""
+        if self.state.lr_decay is not None:
+            got = (saved or {}).get("lr_decay")
+            if got is None:
+                log.warning("ds_nvfp4: %s holds no learning-rate history for bf16_from \"lr_decay\": the decay is "
+                            "looked for again from this step on", source)
+                self.state.lr_decay = LrDecay()
+            else:
+                self.state.lr_decay = LrDecay(**got)
+                self.state.plan = replace(self.state.plan, first_late_step=self.state.lr_decay.found)
+        if self.state.guard is not None:
+            got = (saved or {}).get("spike_guard")
+            cfg = self.state.guard.config
+            if got is None:
+                log.warning("ds_nvfp4: %s holds no spike-guard state: the guard starts afresh from this step (no "
+                            "episodes, an empty loss history)", source)
+                self.state.guard = SpikeGuard(cfg)
+            else:
+                self.state.guard = SpikeGuard.from_dict(cfg, got)
+
     def after_load(self, state: NVFP4State, load: LoadContext) -> None:
-        if self.state.lr_decay is not None or self.state.guard is not None:
-            path = os.path.join(load.load_dir, load.tag, FILE)
-            meta = self._saved_schedule(path)
-            if self.state.lr_decay is not None:
-                self._restore_lr_decay(meta, path)
-            if self.state.guard is not None:
-                self._restore_guard(meta, path)
         self._to_next_step(state)
 
     def _watch_loss(self, state: NVFP4State, outcome: StepOutcome, ran: Phase) -> None:
@@ -188,26 +205,6 @@ class Schedule(Feature):
                         "previous %d steps, but all %d episodes (max_episodes) are spent: FP4 goes on",
                         found, loss, cfg.loss_ratio, cfg.window, cfg.max_episodes)
 
-    @staticmethod
-    def _saved_schedule(path: str) -> dict | None:
-        """The schedule an earlier run saved in the checkpoint's ds_nvfp4.json, or None."""
-        try:
-            meta = read_metadata(path)
-        except CheckpointError:
-            return None
-        return meta.schedule or {}
-
-    def _restore_guard(self, saved: dict | None, path: str) -> None:
-        """The spike guard's episodes and loss history as saved, else start it afresh (said)."""
-        got = (saved or {}).get("spike_guard")
-        cfg = self.state.guard.config
-        if got is None:
-            log.warning("ds_nvfp4: %s holds no spike-guard state: the guard starts afresh from this step (no "
-                        "episodes, an empty loss history)", path)
-            self.state.guard = SpikeGuard(cfg)
-            return
-        self.state.guard = SpikeGuard.from_dict(cfg, got)
-
     def _watch_lr(self, state: NVFP4State, step: int) -> None:
         """``bf16_from: "lr_decay"``: feed the learning rate of step ``step``; fix the switch when decay starts."""
         found = self.state.lr_decay
@@ -224,14 +221,3 @@ class Schedule(Feature):
                         "without a constant stretch before it (a schedule that decays from its warm-up on, not a "
                         "warmup-stable-decay one): this run makes NO late BF16 switch; give bf16_from as a step "
                         "number or a fraction of precision.schedule.total_steps instead", found.no_plateau_at)
-
-    def _restore_lr_decay(self, schedule: dict | None, path: str) -> None:
-        """What an earlier run found about its decay (in the checkpoint's ds_nvfp4.json), else keep watching."""
-        saved = (schedule or {}).get("lr_decay")
-        if saved is None:
-            log.warning("ds_nvfp4: %s holds no learning-rate history for bf16_from \"lr_decay\": the decay is "
-                        "looked for again from this step on", path)
-            self.state.lr_decay = LrDecay()
-            return
-        self.state.lr_decay = LrDecay(**saved)
-        self.state.plan = replace(self.state.plan, first_late_step=self.state.lr_decay.found)

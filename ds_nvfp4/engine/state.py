@@ -12,7 +12,9 @@ from ..nn import ConversionReport
 if TYPE_CHECKING:
     from ..nn import StatsCollector
     from .lifecycle import Lifecycle
-    from .schedule import ScheduleState
+    from .nonfinite import NonFiniteGuard
+    from .schedule import Schedule, ScheduleState
+    from .statistics import Statistics
 
 
 @dataclass
@@ -34,25 +36,26 @@ class NVFP4State:
     world_size: int = 1
     #: the seam scopes checked at initialize (zero/seams.py): "engine", plus "pipeline" and "packed" where they apply
     seam_scopes: tuple[str, ...] = ()
+    #: the features others read, as typed references (set by initialize; statistics only with precision.monitor)
+    schedule_feature: Schedule | None = None
+    nonfinite_feature: NonFiniteGuard | None = None
+    statistics_feature: Statistics | None = None
 
     # -- views of the features (kept as the attributes earlier releases had) -------------------------------------
     @property
     def stats(self) -> StatsCollector | None:
         """The statistics collector (``precision.monitor.enabled``), or None."""
-        if self.lifecycle is None:
-            return None
-        feature = next((f for f in self.lifecycle.features if f.name == "statistics"), None)
-        return getattr(feature, "collector", None)  # None when precision.monitor is off (no such feature)
+        return self.statistics_feature.collector if self.statistics_feature is not None else None
 
     @property
     def schedule(self) -> ScheduleState:
         """``precision.schedule`` as it runs: the current phase and the transitions so far."""
-        return self.lifecycle.feature("schedule").state
+        return self.schedule_feature.state
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped for non-finite gradients (``precision.nonfinite.action: "skip"``)."""
-        return self.lifecycle.feature("nonfinite").skipped
+        return self.nonfinite_feature.skipped
 
     def fp4_gemm_share(self, steps: int) -> float:
         """Fraction of the GEMM FLOPs of optimizer steps 1..``steps`` that run in FP4 (schedule and spike-guard

@@ -25,6 +25,7 @@ from ..format.constants import GLOBAL_SCALE_NUMERATOR
 from ..format.grouped import quantize_grouped
 from .base import GemmBackend, GroupedOperand, Operand, check_operands, global_alpha
 from .operand import operand_choice
+from .registry import register
 
 
 @functools.cache
@@ -69,6 +70,7 @@ def grouped_linear_acc(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     return out, bad
 
 
+@register(preference=100, available=lambda info: (True, "exact emulation, runs on any device"))
 class EmulatedBackend(GemmBackend):
     """``operand``: the operand dtype, or None for the device's choice (kernels/operand.py)."""
 

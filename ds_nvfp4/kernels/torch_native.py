@@ -15,6 +15,8 @@ import torch
 
 from ..format import NVFP4Storage
 from .base import GemmBackend, Operand, check_operands, codes, global_alpha
+from .device import DeviceInfo, fp4_tensor_cores
+from .registry import register
 from .swizzle import ceil_to, swizzle_128x4
 
 
@@ -61,6 +63,19 @@ def build_scaled_mm_args(a: NVFP4Storage, b: NVFP4Storage) -> ScaledMMArgs:
     )
 
 
+def available(info: DeviceInfo) -> tuple[bool, str]:
+    """FP4 tensor cores, a torch with the FP4 dtype and ``_scaled_mm``, CUDA >= 12.8 (cuBLASLt's FP4 GEMM)."""
+    cores, why = fp4_tensor_cores(info)
+    if not cores:
+        return False, why
+    if not info.torch_fp4:
+        return False, f"torch {info.torch_version} lacks float4_e2m1fn_x2 / FP4 _scaled_mm (needs >= 2.8)"
+    if info.cuda_version is None or tuple(int(v) for v in info.cuda_version.split(".")[:2]) < (12, 8):
+        return False, f"CUDA {info.cuda_version} < 12.8: cuBLASLt has no FP4 GEMM"
+    return True, f"{why}; torch._scaled_mm with float4_e2m1fn_x2 (cuBLASLt)"
+
+
+@register(preference=10, available=available)
 class TorchNativeBackend(GemmBackend):
     name = "torch"
 

@@ -21,6 +21,7 @@ backend, so a mismatch is an error at start-up, never a wrong result mid-run. Ne
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Mapping
@@ -31,6 +32,8 @@ from packaging.version import Version
 from ..format import NVFP4Storage
 from ..format.constants import E4M3_MAX
 from .base import GemmBackend, Operand, check_operands, codes
+from .device import DeviceInfo, fp4_tensor_cores
+from .registry import register
 from .swizzle import pad_scales
 
 #: the Transformer Engine releases whose signatures this backend follows (lower inclusive, upper exclusive)
@@ -94,30 +97,49 @@ def gemm_kwargs(params: Mapping[str, inspect.Parameter], workspace) -> dict:
     return kwargs
 
 
-def _to_te(t: NVFP4Storage):
-    import transformer_engine_torch as tex
-
-    cls = storage_class()
-    return cls(**storage_kwargs(inspect.signature(cls.__new__).parameters, t, tex.DType.kFloat4E2M1))
-
-
 def _workspace():
     from transformer_engine.pytorch.module.base import get_workspace
 
     return get_workspace()
 
 
+def available(info: DeviceInfo) -> tuple[bool, str]:
+    """FP4 tensor cores and an importable Transformer Engine."""
+    cores, why = fp4_tensor_cores(info)
+    if not cores:
+        return False, why
+    if info.te_version is None:
+        return False, "Transformer Engine is not installed (pip install '.[te]')"
+    return True, f"{why}; Transformer Engine {info.te_version}"
+
+
+@register(preference=20, available=available)
 class TransformerEngineBackend(GemmBackend):
+    """TE's signatures are read once per process (:meth:`_api`), not on every GEMM."""
+
     name = "transformer_engine"
+
+    @functools.cached_property
+    def _api(self):
+        """``(general_gemm, its keyword arguments besides A and B, TE's storage class, its constructor's
+        parameters, the FP4 dtype)`` for the installed TE."""
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.cpp_extensions import general_gemm
+
+        cls = storage_class()
+        return (general_gemm, gemm_kwargs(inspect.signature(general_gemm).parameters, _workspace), cls,
+                inspect.signature(cls.__new__).parameters, tex.DType.kFloat4E2M1)
+
+    def _to_te(self, t: NVFP4Storage):
+        _, _, cls, params, fp4 = self._api
+        return cls(**storage_kwargs(params, t, fp4))
 
     def mm(self, a: NVFP4Storage | Operand, b: NVFP4Storage | Operand, out_dtype: torch.dtype) -> torch.Tensor:
         a, b = codes(a), codes(b)
         check_operands(a, b)
-        from transformer_engine.pytorch.cpp_extensions import general_gemm
-
-        kwargs = gemm_kwargs(inspect.signature(general_gemm).parameters, _workspace)
+        general_gemm, kwargs = self._api[:2]
         # TE computes D = B @ A^T for layout TN with A the weight-like operand: A=b [N,K], B=a [M,K].
-        out = general_gemm(_to_te(b), _to_te(a), **kwargs)
+        out = general_gemm(self._to_te(b), self._to_te(a), **kwargs)
         out = out[0] if isinstance(out, (tuple, list)) else out
         # TE folds both amaxes into cuBLASLt's alpha from the storage objects; that it did so exactly once is
         # what kernels.select's smoke test against `emulated` checks at start-up.

@@ -21,7 +21,7 @@ from ds_nvfp4.evaluation.data import prepare_text
 from tests.cluster.hosts import Cluster, Host, requirements
 from tests.cluster.slurm import TOOLS as SLURM_TOOLS
 from tests.cluster.slurm import SlurmCluster
-from tests.zero.harness import ROOT
+from tests.ranks import ROOT
 
 pytestmark = pytest.mark.slow
 STEPS = 3

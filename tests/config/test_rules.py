@@ -113,7 +113,7 @@ def test_absent_section_means_disabled() -> None:
         ({"communication": {"all_gather": "fp8"}}, "precision.communication.all_gather", '"fp8"', '"bf16", "nvfp4"'),
         ({"communication": {"reduce_scatter": "fp16"}}, "precision.communication.reduce_scatter", '"fp16"',
          '"bf16", "fp32"'),
-        ({"kernel": "cutlass"}, "precision.kernel", '"cutlass"', '"emulated", "torch", "transformer_engine", null'),
+        ({"kernel": "cutlass"}, "precision.kernel", '"cutlass"', '"torch", "transformer_engine", "emulated", null'),
         ({"enabled": "yes"}, "precision.enabled", "boolean", "true, false"),
         ({"modules": {"keep_first_blocks_bf16": -1}}, "precision.modules.keep_first_blocks_bf16", ">= 0", ""),
         ({"modules": {"keep_last_blocks_bf16": 1.5}}, "precision.modules.keep_last_blocks_bf16", "integer", ""),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.integrations.hf_run import BIN, HERE, HF_DS_CONFIG, launch
-from tests.zero.harness import free_port
+from tests.ranks import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ import pytest
 from ds_nvfp4.evaluation.data import prepare_text
 from ds_nvfp4.zero.shm import remove_stale_workspaces
 from tests.integrations.hf_run import env
-from tests.zero.harness import ROOT, free_port
+from tests.ranks import ROOT, free_port
 
 pytestmark = pytest.mark.slow
 DRIVER = Path(__file__).with_name("crash_driver.py")

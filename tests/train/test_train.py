@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ds_nvfp4.evaluation.data import prepare_text
-from tests.zero.harness import ROOT, spawn_ranks
+from tests.ranks import ROOT, spawn_ranks
 
 pytestmark = pytest.mark.slow
 GOLDEN = Path(__file__).with_name("golden_1m.json")

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ds_nvfp4.zero import seams
-from tests.zero.harness import ROOT
+from tests.ranks import ROOT
 
 
 def test_the_tested_range_is_enforced_for_packed_storage_and_said_otherwise(monkeypatch) -> None:

@@ -1,24 +1,32 @@
-"""Run a function on N real ranks (separate processes, gloo, real DeepSpeed engines), bounded by a timeout.
+"""Run a scenario on N real ranks (separate processes, gloo, real DeepSpeed engines), bounded by a timeout.
 
-``run_ranks(scenario, world_size=2, **kw)`` starts ``python -m tests.zero.worker SCENARIO`` once per rank with
-RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set (what the deepspeed launcher sets) and returns each rank's
-JSON result. A rank that fails or hangs fails the test with every rank's log.
+A scenario is a module-level function ``scenario_x(rank: int, params: dict) -> dict`` that lives in the test
+module beside the assertions that check its result. ``run_ranks(scenario_x, world_size=2, **params)`` starts
+``python -m tests.ranks MODULE:scenario_x OUT.json PARAMS`` once per rank with RANK/WORLD_SIZE/LOCAL_RANK/
+MASTER_ADDR/MASTER_PORT set (what the deepspeed launcher sets), and returns each rank's JSON result (the
+scenario's dict plus ``rank``, ``finite`` (every ``losses`` value finite) and ``shm_segment``). A rank that fails or
+hangs fails the test with every rank's log.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from ds_nvfp4.zero.shm import remove_stale_workspaces
+from ds_nvfp4.zero.shm import remove_stale_workspaces, workspace_path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
+
+Scenario = Callable[[int, dict], dict]
 
 
 def free_port() -> int:
@@ -71,9 +79,39 @@ def spawn_ranks(cmd: list[str], world_size: int, logdir: Path, timeout: int) -> 
         raise AssertionError(f"{' '.join(cmd[:4])} ... failed on some rank:\n{logs}")
 
 
-def run_ranks(scenario: str, world_size: int = 2, timeout: int = 420, **params) -> list[dict]:
+def run_ranks(scenario: Scenario, world_size: int = 2, timeout: int = 420, **params) -> list[dict]:
+    """Each rank's result of ``scenario`` (a module-level function of a ``tests`` module) on ``world_size`` ranks."""
+    target = f"{scenario.__module__}:{scenario.__name__}"
+    if not scenario.__module__.startswith("tests.") or "." in scenario.__qualname__:
+        raise ValueError(f"{target}: a scenario is a module-level function of a tests.* module")
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank{rank}.json")
-        spawn_ranks([sys.executable, "-m", "tests.zero.worker", scenario, out, json.dumps(params)], world_size,
+        spawn_ranks([sys.executable, "-m", "tests.ranks", target, out, json.dumps(params)], world_size,
                     Path(tmp), timeout)
         return [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def main() -> None:
+    target, out, params = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    if params.get("count_collectives"):
+        from bench import comm_count
+
+        comm_count.install()  # before DeepSpeed builds its backend, which captures the gather/scatter functions
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    segment = workspace_path(rank, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    shm_created = segment.exists()  # DeepSpeed's CPU shm all-reduce made it in init_distributed
+    module, name = target.split(":")
+    result = getattr(importlib.import_module(module), name)(rank, params)
+    result["rank"] = rank
+    result["shm_segment"] = {"created": shm_created, "left_behind": segment.exists()}
+    result["finite"] = all(math.isfinite(v) for v in result.get("losses", [0.0]))
+    Path(out).write_text(json.dumps(result))
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()

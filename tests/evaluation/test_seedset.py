@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ds_nvfp4.evaluation.seedset import seeds_needed, t975, t_interval
-from tests.report.test_compare import BASE, make_run, run
+from tests.evaluation.test_compare import BASE, make_run, run
 
 PROTOCOL = {"name": "v3", "steps": 100, "final_eval": True, "deviations": {}}
 

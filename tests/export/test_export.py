@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.ranks import run_ranks
 from tests.reference import VALUES, expand, ref_dequantize, ref_quantize
-from tests.zero.harness import run_ranks
+from tests.zero.engines import scenario_save
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     ckpt = tmp_path_factory.mktemp("export") / "ckpt"
-    run_ranks("save", dir=str(ckpt), dump_forward_weights=str(ckpt.parent / "forward_weights.pt"))
+    run_ranks(scenario_save, dir=str(ckpt), dump_forward_weights=str(ckpt.parent / "forward_weights.pt"))
     return ckpt
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.report.test_compare import BASE, make_run, run
+from tests.evaluation.test_compare import BASE, make_run, run
 
 
 def _scale_eval(run_dir: Path, step: int, factor: float) -> None:
