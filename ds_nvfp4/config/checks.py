@@ -75,7 +75,7 @@ def _allowed_values(loc: tuple) -> tuple[str, ...]:
     registered = _registered_values(field)
     if registered is not None:
         values = [json.dumps(v) for v in registered]
-        return tuple(values + ["null"] if type(None) in typing.get_args(ann) else values)
+        return tuple([*values, "null"] if type(None) in typing.get_args(ann) else values)
     members = (ann,) if typing.get_origin(ann) is typing.Literal else (typing.get_args(ann) or (ann,))
     for arg in members:
         if typing.get_origin(arg) is typing.Literal:

@@ -4,6 +4,7 @@ from .optimizer import install
 from .packed import PackedPartitions, StorageReport
 from .partition import PartitionLayout, partition_layout
 from .seams import SEAMS, UnsupportedDeepSpeed, check_version
+from .wire import WireFormat, wire_format
 
-__all__ = ["SEAMS", "PackedPartitions", "PartitionLayout", "StorageReport", "UnsupportedDeepSpeed", "check_version",
-           "install", "partition_layout"]
+__all__ = ["SEAMS", "PackedPartitions", "PartitionLayout", "StorageReport", "UnsupportedDeepSpeed", "WireFormat",
+           "check_version", "install", "partition_layout", "wire_format"]

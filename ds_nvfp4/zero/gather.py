@@ -1,10 +1,10 @@
-"""The gather seam of packed ZeRO-3 storage: DeepSpeed's three per-parameter closures, wrapped.
+"""The gather seam of packed ZeRO-3 storage: DeepSpeed's three per-parameter closures, wrapped around the
+storage's wire format (zero/wire.py).
 
 Every gather (fetch, prefetch, ``GatheredParameters``, persistent re-gathers, checkpoint consolidation) goes through
 ``param.all_gather``, ``param.all_gather_coalesced`` and ``param.partition`` (zero/seams.py lists their signatures).
-With ``communication.all_gather: "bf16"`` a packed partition is dequantized just before DeepSpeed's own gather and
-the transient dropped after the handle's ``wait()``; with ``"nvfp4"`` the codes and scales are gathered and
-dequantized after (same bits, ~3.5x less traffic), and the layer gets the gathered codes (``WeightCodes``).
+This file only adapts those hooks: what a partition sends and how gathered bytes become the weight is the wire
+format's (``store.wire.pre_all_gather`` / ``post_all_gather``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-
-from .partition import from_wire
 
 if TYPE_CHECKING:
     from .packed import Entry, PackedPartitions
@@ -25,18 +23,18 @@ def install_gather_hooks(store: PackedPartitions) -> None:
         wrap_closures(store, e.param)
 
 
-class _ReleaseHandle:
-    """Waits on DeepSpeed's handle, then drops the transient BF16 partitions it was gathering from."""
+class _AfterWait:
+    """Waits on DeepSpeed's handle, then runs ``done`` once (the wire format's ``post_all_gather``)."""
 
-    def __init__(self, handle, release) -> None:
-        self.handle, self.release, self.done = handle, release, False
+    def __init__(self, handle, done) -> None:
+        self.handle, self.done, self.ran = handle, done, False
 
     def wait(self, *args, **kwargs) -> None:
         if self.handle is not None:
             self.handle.wait(*args, **kwargs)
-        if not self.done:
-            self.release()
-            self.done = True
+        if not self.ran:
+            self.done()
+            self.ran = True
 
 
 class _MultiHandle:
@@ -48,8 +46,9 @@ class _MultiHandle:
             h.wait(*args, **kwargs)
 
 
-class _PackedGatherHandle:
-    """``all_gather: "nvfp4"``: gathers codes and scales of packed partitions, dequantizes on ``wait()``."""
+class _OwnGather:
+    """A wire format that gathers its own bytes: one ``all_gather_into_tensor`` of every parameter's
+    ``pre_all_gather`` bytes; ``wait()`` hands each parameter its ``[world, bytes]`` slice."""
 
     def __init__(self, store: PackedPartitions, entries: list[Entry]) -> None:
         from deepspeed import comm as dist
@@ -64,12 +63,12 @@ class _PackedGatherHandle:
         parts = []
         for e in entries:
             e.param.ds_status = ZeroParamStatus.INFLIGHT
-            parts.append(e.q.wire())
+            parts.append(store.wire.pre_all_gather(store, e).reshape(-1))
         self.sizes = [t.numel() for t in parts]
         send = torch.cat(parts).to(store.comm_device)
-        self.recv = torch.empty(send.numel() * self.world, dtype=torch.uint8, device=store.comm_device)
+        self.recv = torch.empty(send.numel() * self.world, dtype=send.dtype, device=store.comm_device)
         dist.all_gather_into_tensor(self.recv, send, group=group)
-        store.gathered_bytes += self.recv.numel()
+        store.gathered_bytes += self.recv.numel() * self.recv.element_size()
         self.per_rank = send.numel()
         self.done = False
 
@@ -79,17 +78,9 @@ class _PackedGatherHandle:
         chunks = self.recv.view(self.world, self.per_rank)
         off = 0
         for e, size in zip(self.entries, self.sizes):
-            p = e.param
-            dev = p.ds_tensor.device
-            weight, (data, scale, amax) = from_wire(chunks[:, off:off + size].to(dev),
-                                                    tuple(e.codes.stored_shape or p.ds_shape),
-                                                    self.store.block, e.codes.agreed_amax.to(dev),
-                                                    self.store.e4m3_bound)
+            self.store.wire.post_all_gather(self.store, e, chunks[:, off:off + size])
             off += size
-            p.data = weight.to(p.ds_tensor.dtype).view(p.ds_shape).to(p.device)
-            # the codes as they arrived: the forward multiplies them instead of quantizing again
-            e.codes.offer_gathered(p, (data.to(p.device), scale.to(p.device), amax.to(p.device)))
-            p.ds_status = self.status.AVAILABLE
+            e.param.ds_status = self.status.AVAILABLE
         self.done = True
 
 
@@ -98,32 +89,39 @@ def wrap_closures(store: PackedPartitions, p) -> None:
     ``store``."""
     orig_coalesced, orig_gather, orig_partition = p.all_gather_coalesced, p.all_gather, p.partition
 
+    def pre(entries: list[Entry]) -> None:  # a DeepSpeed-carried wire format: prepare what DeepSpeed gathers
+        for e in entries:
+            store.wire.pre_all_gather(store, e)
+
+    def post(entries: list[Entry]) -> None:
+        for e in entries:
+            store.wire.post_all_gather(store, e, None)
+
     def all_gather_coalesced(params, safe_mode: bool = False, quantize: bool = False):
         params = list(params)
         mine = store.needs(params)
-        if store.all_gather == "nvfp4" and mine:
+        if not store.wire.deepspeed_collective and mine:
             ids = {id(e.param) for e in mine}
             rest = [q for q in params if id(q) not in ids]
-            handles = [_PackedGatherHandle(store, mine)]
+            handles = [_OwnGather(store, mine)]
             if rest:
                 handles.insert(0, orig_coalesced(rest, safe_mode=safe_mode, quantize=quantize))
             return _MultiHandle(handles)
-        store.materialize(mine)
-        return _ReleaseHandle(orig_coalesced(params, safe_mode=safe_mode, quantize=quantize),
-                              lambda: store.release(mine))
+        pre(mine)
+        return _AfterWait(orig_coalesced(params, safe_mode=safe_mode, quantize=quantize), lambda: post(mine))
 
     def all_gather(param_list=None, async_op: bool = False, hierarchy: int = 0):
         params = [p] if param_list is None else list(param_list)
         mine = store.needs(params)
-        if store.all_gather == "nvfp4" and mine and not async_op:
+        if not store.wire.deepspeed_collective and mine and not async_op:
             ids = {id(e.param) for e in mine}
-            _PackedGatherHandle(store, mine).wait()
+            _OwnGather(store, mine).wait()
             rest = [q for q in params if id(q) not in ids]
             return orig_gather(rest, async_op=False, hierarchy=hierarchy) if rest else None
-        store.materialize(mine)
+        pre(mine)
         ret = orig_gather(params, async_op=async_op, hierarchy=hierarchy)
         if not async_op:
-            store.release(mine)
+            post(mine)
             return ret
         # the transients may be read by any of the handles: drop them once every handle has waited
         pending = {"left": len(ret)}
@@ -131,11 +129,11 @@ def wrap_closures(store: PackedPartitions, p) -> None:
         def one_done() -> None:
             pending["left"] -= 1
             if pending["left"] == 0:
-                store.release(mine)
+                post(mine)
 
         if not ret:
-            store.release(mine)
-        return [_ReleaseHandle(h, one_done) for h in ret]
+            post(mine)
+        return [_AfterWait(h, one_done) for h in ret]
 
     def partition(param_list=None, hierarchy: int = 0, has_been_updated: bool = False, free_data: bool = True):
         params = [p] if param_list is None else list(param_list)

@@ -24,6 +24,7 @@ from ..nn.recipe import Recipe
 from ..nn.weights import WeightCodes
 from .collectives import agree_max
 from .partition import PackedPartition, PartitionLayout, local_amax, pack_partition, partition_layout, unpack_partition
+from .wire import WireFormat, wire_format
 
 log = logging.getLogger("ds_nvfp4")
 
@@ -102,6 +103,8 @@ class PackedPartitions:
         self.scaling = recipe.weight_quantization()
         self.e4m3_bound = recipe.weight_bound
         self.all_gather = all_gather
+        #: what a partition sends in a gather and how the gathered bytes become the weight (zero/wire.py)
+        self.wire: WireFormat = wire_format(all_gather)
         self.entries: dict[int, Entry] = {}
         self.by_group: list[list[Entry]] = []
         self.kept_bf16: dict[str, str] = {}
@@ -279,20 +282,8 @@ class PackedPartitions:
                 out.append(e)
         return out
 
-    def materialize(self, entries: list[Entry]) -> None:
-        t0 = time.perf_counter()
-        for e in entries:
-            e.param.ds_tensor.data = unpack_partition(e.q, e.param.ds_tensor.dtype)
-            self.gathered_bytes += e.numel * e.param.ds_tensor.element_size() * self.world_size(e)
-        self.seconds["dequantize_for_gather"] += time.perf_counter() - t0
-
     def world_size(self, e: Entry) -> int:
         return self.dist.get_world_size(group=e.param.ds_process_group)
-
-    @staticmethod
-    def release(entries: list[Entry]) -> None:
-        for e in entries:
-            e.param.ds_tensor.data = _placeholder(e.param.ds_tensor)
 
     def repack_from_full(self, e: Entry) -> None:
         """``GatheredParameters(modifier_rank=...)`` exit: the full weight may have changed on every rank.
