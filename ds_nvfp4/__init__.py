@@ -6,11 +6,10 @@ storage and its seams) <- ``engine`` (``initialize`` and the lifecycle); ``confi
 ``cli`` beside them. The evaluation tooling (``ds_nvfp4.evaluation``) sits on top and is not imported here.
 """
 
+from ._version import __version__
 from .config import ConfigError, PrecisionConfig, load_config
 from .format import NVFP4Storage, dequantize, hadamard, inverse_hadamard, quantize, quantize_values
 from .nn import ConversionReport, NonFiniteError, NVFP4Linear, convert_model
-
-__version__ = "0.1.0"
 
 
 def initialize(*args, **kwargs):

@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -21,6 +22,12 @@ def pytest_sessionstart(session) -> None:
     would otherwise build it concurrently inside a test's timeout just load it)."""
     from ds_nvfp4.format import _compile, _cpu_ext
 
+    # One ninja for every process of the session: DeepSpeed's op loader runs ninja at each start, and a ninja of
+    # another version than the one that wrote the build log rebuilds from scratch (the system's 1.11 and the
+    # virtualenv's 1.13 alternated between launches that did or did not put the virtualenv first on PATH).
+    here = os.path.dirname(sys.executable)
+    if os.path.exists(os.path.join(here, "ninja")) and not os.environ["PATH"].startswith(here + os.pathsep):
+        os.environ["PATH"] = here + os.pathsep + os.environ["PATH"]
     _remove_stale_build_locks()
     if _compile.compile_enabled(torch.device("cpu")):
         _cpu_ext.extension()

@@ -111,3 +111,46 @@ def test_the_old_storage_name_still_works_with_a_deprecation_warning() -> None:
 
     with pytest.warns(DeprecationWarning, match="NVFP4Storage"):
         assert ds_nvfp4.NVFP4Tensor is ds_nvfp4.NVFP4Storage
+
+
+def scenario_plain_initialize(rank: int, p: dict) -> dict:
+    """An unmodified script: ``deepspeed.initialize`` (the wrapper the hook installed), three ds_configs."""
+    import contextlib
+    import io
+
+    import deepspeed
+    import torch
+
+    from tests.zero.engines import Net, batch, config
+
+    assert hasattr(deepspeed.initialize, "__ds_nvfp4_original__"), "the hook did not wrap deepspeed.initialize"
+    out = {}
+    plain = config()
+    plain.pop("precision")
+    near = dict(plain, precison={"enabled": True})  # a typo DeepSpeed would ignore
+    for label, cfg in (("precision", config()), ("plain", plain), ("near_miss", near)):
+        torch.manual_seed(0)
+        model = Net()
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        x, y = batch(0, rank)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        out[label] = {"routed": hasattr(engine, "ds_nvfp4"), "loss": float(loss),
+                      "warned": "trains WITHOUT NVFP4" in err.getvalue() and "'precison'" in err.getvalue()}
+        engine.destroy()
+    return out
+
+
+def test_the_wrapper_routes_an_unmodified_scripts_configs_on_real_ranks() -> None:
+    """What ``deepspeed.initialize`` becomes, called as a user's script calls it: a ds_config with ``precision``
+    gets ds_nvfp4's engine, one without keeps DeepSpeed's own, and a near miss of the key trains plain DeepSpeed
+    after a warning on rank 0's stderr (the other ranks stay quiet)."""
+    from tests.ranks import run_ranks
+
+    for r in run_ranks(scenario_plain_initialize, world_size=2):
+        assert r["precision"]["routed"] and not r["plain"]["routed"] and not r["near_miss"]["routed"], r
+        assert r["near_miss"]["warned"] is (r["rank"] == 0) and not r["plain"]["warned"], r
+        assert all(r[k]["loss"] == r[k]["loss"] for k in ("precision", "plain", "near_miss")), r

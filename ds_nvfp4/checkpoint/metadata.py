@@ -22,6 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..format.scaling import WeightScaling
+
 FILE = "ds_nvfp4.json"
 SCHEMA_VERSION = 3
 
@@ -105,9 +107,8 @@ class CheckpointMetadata(_Record):
         return self.precision.get("weights", {}).get("block", "16x16")
 
     @property
-    def weight_quantization(self) -> dict[str, Any]:
-        """``ds_nvfp4.quantize``'s ``scaling``/``e4m3_bound``/``error`` of the trained weights (standard NVFP4 in
-        files written before 4/6 existed)."""
+    def weight_scaling(self) -> WeightScaling:
+        """The trained weights' block scaling (standard NVFP4 in files written before 4/6 existed)."""
         from ..config.schema import WeightsConfig
 
         return WeightsConfig.model_validate(self.precision.get("weights", {})).quantization()

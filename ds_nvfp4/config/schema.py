@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..format.scaling import WeightScaling
+
 
 class StrictModel(BaseModel):
     """Like DeepSpeed's ``DeepSpeedConfigModel``: unknown keys are errors; values are not coerced."""
@@ -44,9 +46,9 @@ class WeightsConfig(StrictModel):
             return self.e4m3_bound
         return 256 if self.scaling == "4over6" else 448
 
-    def quantization(self) -> dict:
-        """``ds_nvfp4.quantize``'s ``scaling``/``e4m3_bound``/``error`` arguments for these weights."""
-        return {"scaling": self.scaling, "e4m3_bound": self.bound(), "error": self.scaling_error}
+    def quantization(self) -> WeightScaling:
+        """These weights' block scaling, as ``ds_nvfp4.quantize``'s ``scaling`` and the recipe carry it."""
+        return WeightScaling(self.scaling, self.bound(), self.scaling_error)
 
 
 class ActivationsConfig(StrictModel):

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from .. import __version__
+from .._version import __version__
 from ..checkpoint.metadata import (
     FILE,
     SCHEMA_VERSION,

@@ -112,7 +112,7 @@ def export(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str, ta
     written: list[str] = []
     dequantized: dict[str, torch.Tensor] = {}  # BF16: state-dict key -> the forward's weight in its stored layout
     for u in units:
-        q = quantize(u.source, block=meta.weight_block, amax=u.amax, **meta.weight_quantization)
+        q = quantize(u.source, block=meta.weight_block, amax=u.amax, scaling=meta.weight_scaling)
         if fmt == "bf16":
             w = q.dequantize(torch.bfloat16)
             w = w.t() if u.kn else w

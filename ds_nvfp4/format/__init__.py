@@ -3,6 +3,7 @@
 from .constants import BLOCK_SIZE, BLOCKS, E2M1_MAX, E2M1_VALUES, E4M3_MAX, RHT_SIGNS, ROUNDINGS
 from .hadamard import hadamard, inverse_hadamard, rht_matrix
 from .quantize import dequantize, quantize, quantize_values
+from .scaling import STANDARD, WeightScaling
 from .storage import NVFP4Storage
 
 __all__ = [
@@ -13,7 +14,9 @@ __all__ = [
     "E4M3_MAX",
     "RHT_SIGNS",
     "ROUNDINGS",
+    "STANDARD",
     "NVFP4Storage",
+    "WeightScaling",
     "dequantize",
     "hadamard",
     "inverse_hadamard",

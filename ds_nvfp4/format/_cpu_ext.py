@@ -7,18 +7,24 @@ the eager kernels in ``_kernels.py`` stay the reference, every first call per ar
 them bit for bit (``_compile.py``), and anything that goes wrong here (no compiler, no ninja, a build error) is
 logged once and leaves the Inductor or eager kernels in charge.
 
-The build is cached by torch (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name that
-includes a hash of the CPU's instruction-set flags and of the source, so a home directory shared by different CPUs
-never loads code built for another one. Policy: ``DS_NVFP4_CPU_EXT=auto`` (default: used wherever the format
-kernels are compiled, see ``DS_NVFP4_COMPILE``) or ``0`` (never).
+The build is cached (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) under a name that includes a
+hash of the CPU's instruction-set flags, the source, the flags, torch's and Python's versions, so a home directory
+shared by different CPUs or environments never loads code built for another one. It is built once: a later process
+imports the built library directly instead of asking torch's loader, which would run ninja again, and ninja
+rebuilds everything whenever a different ninja version wrote the build log (a system ninja 1.11 and a virtualenv's
+1.13 alternate on PATH between launches; tests/format/test_cpu_ext.py checks a second launch builds nothing).
+Policy: ``DS_NVFP4_CPU_EXT=auto`` (default: used wherever the format kernels are compiled, see
+``DS_NVFP4_COMPILE``) or ``0`` (never).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +44,30 @@ def _cpu_tag() -> str:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
         flags = ""
+    import torch
+
     src = SOURCE.read_bytes() if SOURCE.exists() else b""
-    return hashlib.sha256(flags.encode() + src + " ".join(FLAGS).encode()).hexdigest()[:12]
+    env = f"{torch.__version__} {sys.version}".encode()
+    return hashlib.sha256(flags.encode() + src + " ".join(FLAGS).encode() + env).hexdigest()[:12]
+
+
+def build_directory(name: str) -> Path:
+    """Where the extension ``name`` is built (torch's ``TORCH_EXTENSIONS_DIR`` convention)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                    "torch_extensions")
+    return Path(root) / name
+
+
+def _import_built(name: str, folder: Path) -> Any | None:
+    """The already built library, imported without running the build system; None when there is none (or a build
+    of it is in progress: torch's loader holds ``lock`` in the folder until the library is complete)."""
+    library = folder / f"{name}.so"
+    if not library.is_file() or (folder / "lock").exists():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache
@@ -53,8 +81,13 @@ def extension() -> Any | None:
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=f"ds_nvfp4_cpu_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=FLAGS,
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        name = f"ds_nvfp4_cpu_{_cpu_tag()}"
+        folder = build_directory(name)
+        module = _import_built(name, folder)
+        if module is None:
+            folder.mkdir(parents=True, exist_ok=True)
+            module = load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                          build_directory=str(folder), verbose=False)
     except Exception as exc:  # no compiler/ninja, or a build error: the Inductor/eager kernels remain
         unavailable_reason = f"C++ kernels not built ({type(exc).__name__}: {str(exc).strip()[:300]})"
         log.warning("ds_nvfp4: %s; quantize uses the compiled/eager PyTorch kernel (same bits, slower)",

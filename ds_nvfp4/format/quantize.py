@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from . import _kernels, four_over_six
-from .constants import BLOCK_SIZE, BLOCKS, E4M3_MAX, ROUNDINGS
+from .constants import BLOCK_SIZE, BLOCKS, ROUNDINGS
+from .scaling import WeightScaling
 from .storage import NVFP4Storage
 
 
@@ -45,7 +46,7 @@ def quantize(
     rounding: str = "nearest",
     amax: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
-    scaling: str = "6",
+    scaling: str | WeightScaling = "6",
     e4m3_bound: int | None = None,
     error: str = "MAE",
 ) -> NVFP4Storage:
@@ -60,23 +61,26 @@ def quantize(
         amax: float32 one-element tensor used as the per-tensor amax instead of ``max|x|`` (ZeRO shards
             pass the amax agreed across ranks). It must be >= max|x| for the codes not to saturate.
         generator: random source for stochastic rounding (default: torch's global generator).
-        scaling: ``"6"`` (standard NVFP4: each block's max maps to 6) or ``"4over6"`` (each block maps to 4 or
-            to 6, whichever errs less: format/four_over_six.py, TE's ``nvfp4_4over6``; nearest rounding only).
-        e4m3_bound: the global E4M3 bound, 448 or 256 (4/6 only; default 256 there, as TE's).
-        error: 4/6's error metric, ``"MAE"`` (TE's default) or ``"MSE"``.
+        scaling: a :class:`WeightScaling` (what converted layers pass: their recipe's), or its kind: ``"6"``
+            (standard NVFP4: each block's max maps to 6) or ``"4over6"`` (each block maps to 4 or to 6, whichever
+            errs less: format/four_over_six.py, TE's ``nvfp4_4over6``; nearest rounding only).
+        e4m3_bound: the global E4M3 bound, 448 or 256 (4/6 only; default 256 there, as TE's); with a string
+            ``scaling`` only.
+        error: 4/6's error metric, ``"MAE"`` (TE's default) or ``"MSE"``; with a string ``scaling`` only.
     Returns:
         An :class:`NVFP4Storage`. Non-finite input (or amax) poisons the result: its amax is NaN and it
         dequantizes to NaN everywhere; ``result.nonfinite`` reports it without a device sync.
     """
     _check(x, block, rounding, amax)
-    bound = _check_scaling(scaling, e4m3_bound, error, rounding)
+    spec = _scaling_of(scaling, e4m3_bound, error, rounding)
+    bound = spec.e4m3_bound
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    if scaling == "4over6":
+    if not spec.standard:
         used_amax, scale, data = four_over_six.quantize_2d(x2, _kernels.block_amax.fn(x2, block), amax, block,
-                                                           bound, error)
+                                                           bound, spec.error)
     else:
         used_amax, scale, enc = _kernels.scales(_kernels.block_amax(x2, block), amax)
         if rounding == "nearest":
@@ -91,24 +95,17 @@ def quantize(
                         e4m3_bound=float(bound))
 
 
-def _check_scaling(scaling: str, e4m3_bound: int | None, error: str, rounding: str) -> float:
-    """The global E4M3 bound for these arguments (448 for standard NVFP4), or a ValueError naming the argument."""
-    if scaling not in four_over_six.SCALINGS:
-        raise ValueError(f"scaling={scaling!r}: allowed values are {', '.join(map(repr, four_over_six.SCALINGS))}")
-    if scaling == "6":
-        if e4m3_bound not in (None, E4M3_MAX):
-            raise ValueError(f"e4m3_bound={e4m3_bound!r}: standard NVFP4 (scaling='6') uses 448; other bounds are "
-                             "for scaling='4over6'")
-        return E4M3_MAX
-    if rounding != "nearest":
+def _scaling_of(scaling: str | WeightScaling, e4m3_bound: int | None, error: str, rounding: str) -> WeightScaling:
+    """The typed scaling for ``quantize``'s arguments, or a ValueError naming the argument."""
+    if isinstance(scaling, WeightScaling):
+        if e4m3_bound is not None or error != "MAE":
+            raise TypeError("quantize: give the bound and the error inside the WeightScaling, not beside it")
+        spec = scaling
+    else:
+        spec = WeightScaling.of(scaling, e4m3_bound, error)
+    if not spec.standard and rounding != "nearest":
         raise ValueError("scaling='4over6' is defined for rounding='nearest' only (as in Transformer Engine)")
-    if error not in four_over_six.ERROR_METRICS:
-        raise ValueError(f"error={error!r}: allowed values are {', '.join(map(repr, four_over_six.ERROR_METRICS))}")
-    bound = four_over_six.DEFAULT_4OVER6_BOUND if e4m3_bound is None else e4m3_bound
-    if bound not in four_over_six.E4M3_BOUNDS:
-        raise ValueError(f"e4m3_bound={e4m3_bound!r}: allowed values are "
-                         f"{', '.join(map(str, four_over_six.E4M3_BOUNDS))}")
-    return float(bound)
+    return spec
 
 
 def quantize_values(

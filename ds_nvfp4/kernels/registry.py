@@ -53,8 +53,8 @@ def register(*, preference: int, available: Callable[[DeviceInfo], Availability]
 
 
 def specs() -> list[BackendSpec]:
-    """Every registered backend, most preferred first."""
-    _load()
+    """Every registered backend, most preferred first (importing this module imports ``ds_nvfp4.kernels`` first,
+    whose ``__init__`` imports every backend file: the registry is full by the time anyone reads it)."""
     return sorted(_SPECS.values(), key=lambda s: (s.preference, s.name))
 
 
@@ -62,7 +62,3 @@ def names() -> tuple[str, ...]:
     """The names ``precision.kernel`` accepts, most preferred first."""
     return tuple(s.name for s in specs())
 
-
-def _load() -> None:
-    """Import the backend files (they register on import); a no-op once ``ds_nvfp4.kernels`` is imported."""
-    from .. import kernels  # noqa: F401

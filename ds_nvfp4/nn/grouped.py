@@ -35,9 +35,9 @@ def quantize_experts(weight: torch.Tensor, recipe: Recipe, amax: torch.Tensor | 
     w = hadamard(weight) if recipe.act_hadamard else weight
     if recipe.act_hadamard:
         amax = None  # an RHT layer quantizes H(W) with its own amax
-    if recipe.weight_scaling != "6":
+    if not recipe.weight.standard:
         parts = [quantize(w[i], block=recipe.weight_block, amax=None if amax is None else amax[i].reshape(()),
-                          **recipe.weight_quantization()) for i in range(e)]
+                          scaling=recipe.weight) for i in range(e)]
         return (torch.stack([q.data for q in parts]), torch.stack([q.scale for q in parts]),
                 torch.stack([q.amax for q in parts]))
     rows = torch.arange(e, device=w.device).repeat_interleave(n)
@@ -62,7 +62,7 @@ def dequantize_experts(codes: GroupedCodes, recipe: Recipe, dtype: torch.dtype) 
     per expert, in one pass (the decode factor ``s_b * amax_e / (6 bound)`` per block row)."""
     data, scale, amax = codes
     e, n, half = data.shape
-    numerator = 6.0 * (float(recipe.weight_bound) if recipe.weight_scaling != "6" else 448.0)
+    numerator = 6.0 * (float(recipe.weight.e4m3_bound) if not recipe.weight.standard else 448.0)
     rows = scale.shape[1]  # N (1x16) or N/16 (16x16)
     amax_rows = amax.float().repeat_interleave(rows).unsqueeze(1)
     out = _kernels.decode_bounded(data.reshape(e * n, half), scale.reshape(e * rows, -1), amax_rows,
@@ -158,7 +158,7 @@ def _per_expert_forward(backend, x, codes: GroupedCodes, bias, offsets, recipe: 
     for g, end in enumerate(offsets.tolist()):
         if end > start:
             wq = NVFP4Storage(data[g], scale[g], amax[g], torch.Size((n, 2 * half)), recipe.weight_block,
-                              float(recipe.weight_bound))
+                              float(recipe.weight.e4m3_bound))
             xo = backend.quantize(x[start:end], block="1x16")
             out[start:end], b = backend.linear(xo, backend.operand(wq), None if bias is None else bias[g], out_dtype)
             x_amax[g], bad = xo.amax, bad | b

@@ -34,7 +34,7 @@ def fp4_forward(module: FP4Module, x: torch.Tensor, weight: torch.Tensor, bias: 
             from ..format import quantize
 
             # weight.t(): the stored, contiguous layout
-            q = quantize(weight.t(), block="16x16", amax=amax, **recipe.weight_quantization()).t()
+            q = quantize(weight.t(), block="16x16", amax=amax, scaling=recipe.weight).t()
             reused = (q.data, q.scale, q.amax)
             codes.keep(param, reused, index)
     if module.stats.capture:

@@ -37,7 +37,7 @@ def _weight_operand(backend, weight: torch.Tensor, weight_amax: torch.Tensor | N
     """The weight's GEMM operand, with its NVFP4 codes (saved for the backward)."""
     w = hadamard(weight) if r.act_hadamard else weight
     amax = None if (weight_amax is None or r.act_hadamard) else weight_amax.float().reshape(())
-    return backend.quantize(w, block=r.weight_block, amax=amax, keep_codes=True, **r.weight_quantization())
+    return backend.quantize(w, block=r.weight_block, amax=amax, keep_codes=True, scaling=r.weight)
 
 
 @torch.library.custom_op("ds_nvfp4::linear_fwd", mutates_args=())
@@ -66,7 +66,7 @@ def _linear_fwd(x, weight, bias, weight_amax, recipe: str, out_dtype: torch.dtyp
     r = Recipe.decode(recipe)
     backend = get_backend(r.kernel)
     if w_data is not None:
-        wq = NVFP4Storage(w_data, w_scale, w_amax, torch.Size(weight.shape), r.weight_block, r.weight_bound)
+        wq = NVFP4Storage(w_data, w_scale, w_amax, torch.Size(weight.shape), r.weight_block, r.weight.e4m3_bound)
         wo = backend.operand(wq)
         stored = (w_data.new_empty(0), w_scale.new_empty(0), w_amax.new_empty(0))
     else:
@@ -110,7 +110,7 @@ def linear_bwd(grad: torch.Tensor, x: torch.Tensor, w_data: torch.Tensor, w_scal
 def _linear_bwd(grad, x, w_data, w_scale, w_amax, recipe: str, x_dtype, w_dtype, need_dx, need_dw, need_db):
     r = Recipe.decode(recipe)
     n, k = w_data.shape[0], w_data.shape[1] * 2
-    wq = NVFP4Storage(w_data, w_scale, w_amax, torch.Size((n, k)), r.weight_block, r.weight_bound)
+    wq = NVFP4Storage(w_data, w_scale, w_amax, torch.Size((n, k)), r.weight_block, r.weight.e4m3_bound)
     backend = get_backend(r.kernel)
     # an unneeded gradient is a fresh empty tensor: custom-op outputs must not alias each other
     dx, dw, db = grad.new_empty(0), grad.new_empty(0), grad.new_empty(0)

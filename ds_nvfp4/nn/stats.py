@@ -49,7 +49,7 @@ class LayerStats:
             amax = None if (weight_amax is None or recipe.act_hadamard) else weight_amax.float().reshape(())
             self.last.update({f"input/{k}": v for k, v in tensor_stats(xin).items()})
             self.last.update({f"weight/{k}": v for k, v in tensor_stats(w, recipe.weight_block, amax,
-                                                                               **recipe.weight_quantization()).items()})
+                                                                               scaling=recipe.weight).items()})
 
     def observe_grad(self, grad: torch.Tensor) -> None:
         with torch.no_grad():
@@ -67,9 +67,10 @@ class StatsCollector:
     """
 
     def __init__(self, model: nn.Module, interval: int) -> None:
-        from .module import FP4Module
-
-        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, FP4Module)}
+        # every FP4 layer (nn/module.py's FP4Module) carries a LayerStats: found by it, so that this file does not
+        # import the modules that import it
+        self.layers = {name: m for name, m in model.named_modules()
+                       if isinstance(getattr(m, "stats", None), LayerStats)}
         self.interval = interval
         self.active = False
 

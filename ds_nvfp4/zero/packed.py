@@ -100,8 +100,8 @@ class PackedPartitions:
         self.opt = engine.optimizer
         self.block = block = recipe.weight_block
         #: ``ds_nvfp4.quantize``'s scaling arguments of the layers' weights (4/6 or standard), and its E4M3 bound
-        self.scaling = recipe.weight_quantization()
-        self.e4m3_bound = recipe.weight_bound
+        self.scaling = recipe.weight
+        self.e4m3_bound = recipe.weight.e4m3_bound
         self.all_gather = all_gather
         #: what a partition sends in a gather and how the gathered bytes become the weight (zero/wire.py)
         self.wire: WireFormat = wire_format(all_gather)
@@ -192,7 +192,7 @@ class PackedPartitions:
                     amaxes[i] = shared[j]
             for e, amax in zip(packable, amaxes):
                 q = pack_partition(fp32.narrow(0, e.offset, e.numel).detach(), e.layout, self.block, amax,
-                                   **self.scaling)
+                                   scaling=self.scaling)
                 e.q = q.to(e.param.ds_tensor.device)
                 e.codes.agreed_amax = amax.to(e.param.ds_tensor.device).clone()
                 e.param.ds_tensor.data = _placeholder(e.param.ds_tensor)
@@ -307,7 +307,7 @@ class PackedPartitions:
         else:
             amax = full.detach().float().abs().reshape(e.layout.experts, -1).amax(1)
         e.q = pack_partition(mine.detach().float(), e.layout, self.block, amax,
-                             **self.scaling).to(p.ds_tensor.device)
+                             scaling=self.scaling).to(p.ds_tensor.device)
         e.codes.agreed_amax = amax.to(p.ds_tensor.device)
 
     # ---- reporting ------------------------------------------------------------------------------------------

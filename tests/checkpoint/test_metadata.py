@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ds_nvfp4.checkpoint import SCHEMA_VERSION, CheckpointError, CheckpointMetadata, read_metadata
+from ds_nvfp4.format import WeightScaling
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint_v1" / "ds_nvfp4.json"
 
@@ -61,7 +62,7 @@ def test_the_weights_quantization_is_read_back_for_export() -> None:
     """What `ds-nvfp4 export` re-quantizes the masters with: standard NVFP4 for files from before 4/6, the run's
     4/6 arguments otherwise."""
     raw = json.loads(FIXTURE.read_text())
-    assert read_metadata(FIXTURE).weight_quantization == {"scaling": "6", "e4m3_bound": 448, "error": "MAE"}
+    assert read_metadata(FIXTURE).weight_scaling == WeightScaling("6", 448, "MAE")
     raw["precision"]["weights"].update(scaling="4over6", e4m3_bound=None, scaling_error="MSE")
     meta = CheckpointMetadata.model_validate(raw)
-    assert meta.weight_quantization == {"scaling": "4over6", "e4m3_bound": 256, "error": "MSE"}
+    assert meta.weight_scaling == WeightScaling("4over6", 256, "MSE")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import ds_nvfp4
 from ds_nvfp4.config import ConfigError, PrecisionConfig, check_config, load_config
+from ds_nvfp4.format import WeightScaling
 
 PRESETS = Path(__file__).resolve().parents[2] / "ds_configs"
 BASE = json.loads((PRESETS / "nvfp4_zero3.json").read_text())
@@ -210,14 +211,14 @@ def test_4over6_weights_and_their_bound() -> None:
     from ds_nvfp4.nn import Recipe
 
     pc = load_config(cfg(weights={"scaling": "4over6"}))[1]
-    assert pc.weights.quantization() == {"scaling": "4over6", "e4m3_bound": 256, "error": "MAE"}
+    assert pc.weights.quantization() == WeightScaling("4over6", 256, "MAE")
     r = Recipe.from_config(pc, "emulated")
-    assert (r.weight_scaling, r.weight_bound, r.weight_error) == ("4over6", 256, "MAE")
+    assert r.weight == WeightScaling("4over6", 256, "MAE")
     assert Recipe.decode(r.encode()) == r
     assert "4/6 scaling (bound 256, MAE)" in pc.describe_recipe()
     pc = load_config(cfg(weights={"scaling": "4over6", "e4m3_bound": 448, "scaling_error": "MSE"}))[1]
-    assert pc.weights.quantization() == {"scaling": "4over6", "e4m3_bound": 448, "error": "MSE"}
-    assert load_config(cfg())[1].weights.quantization() == {"scaling": "6", "e4m3_bound": 448, "error": "MAE"}
+    assert pc.weights.quantization() == WeightScaling("4over6", 448, "MSE")
+    assert load_config(cfg())[1].weights.quantization() == WeightScaling("6", 448, "MAE")
     (p,) = errors(cfg(weights={"e4m3_bound": 256}))
     assert p.path == "precision.weights.e4m3_bound" and 'scaling: "4over6"' in p.message
     assert p.allowed == ("448", "null")

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ds_nvfp4
+from ds_nvfp4.format import WeightScaling
 from ds_nvfp4.kernels import operand
 from ds_nvfp4.nn import NVFP4Linear, Recipe
 from tests.reference import bf16_ulp, emulated_contract_bound, ref_fp4_gemm
@@ -57,7 +58,7 @@ def test_4over6_weights_forward_and_backward_are_bit_exact(bound: int, block: st
     backward multiplies that same dequantized weight."""
     from tests.reference import ref_block_values, ref_quantize
 
-    lin = make(k=64, n=48, weight_block=block, weight_scaling="4over6", weight_bound=bound)
+    lin = make(k=64, n=48, weight_block=block, weight=WeightScaling("4over6", bound))
     with torch.no_grad():  # tiles of very different magnitude, so that both candidates are chosen
         lin.weight.mul_(torch.exp(torch.randn(3, 4) * 2).repeat_interleave(16, 0).repeat_interleave(16, 1))
     w = lin.weight.detach()

@@ -131,7 +131,7 @@ def exactness(engine) -> dict:
         with deepspeed.zero.GatheredParameters([m.weight]):
             seen = m.weight.data.clone()
         want = ds_nvfp4.quantize(master, block=block, amax=master.abs().max(),
-                                 **weights.quantization()).dequantize(torch.bfloat16)
+                                 scaling=weights.quantization()).dequantize(torch.bfloat16)
         standard = ds_nvfp4.quantize(master, block=block, amax=master.abs().max()).dequantize(torch.bfloat16)
         packed = store.entries[id(m.weight)].packable
         out[name] = {"packed": packed, "equal": bool(torch.equal(seen, want)),
