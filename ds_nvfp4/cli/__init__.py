@@ -11,10 +11,10 @@ import argparse
 import importlib
 import sys
 
-from .. import __version__
+from .._version import __version__
 
 #: subcommand module names, in the order ``--help`` lists them
-SUBCOMMANDS = ("env", "validate", "explain", "schema", "compare", "finetune", "probe", "export", "data",
+SUBCOMMANDS = ("env", "validate", "explain", "schema", "compare", "finetune", "probe", "export", "checkpoint", "data",
                "quantize_demo")
 
 

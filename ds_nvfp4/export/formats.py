@@ -71,7 +71,7 @@ def modelopt_config(ignore: list[str], scheme: str) -> dict:
     ``producer.name`` must be ``"modelopt"``: vLLM selects its ModelOpt path by that name only. The layout is
     ModelOpt's unified HF format; ``ds_nvfp4`` records who wrote it.
     """
-    from .. import __version__
+    from .._version import __version__
 
     return {"producer": {"name": "modelopt", "version": "unified-hf"},
             "quantization": {"quant_algo": "NVFP4" if scheme == "W4A4" else "W4A16_NVFP4",
