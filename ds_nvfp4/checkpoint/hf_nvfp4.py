@@ -321,7 +321,9 @@ def _assign(p: torch.nn.Parameter, value: torch.Tensor) -> None:
     if hasattr(p, "ds_id"):
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters([p], modifier_rank=None), torch.no_grad():
+        # every rank sets the same value; rank 0's is broadcast and partitioned again on exit (modifier_rank None
+        # would drop the change)
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0), torch.no_grad():
             p.copy_(value.to(p.dtype))
         return
     with torch.no_grad():

@@ -236,3 +236,43 @@ def test_the_cli_checks_a_folder(tmp_path: Path) -> None:
     _bad("scale_shape", tmp_path / "bad")
     r = subprocess.run([*run, str(tmp_path / "bad"), "--json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "down_proj.weight_scale has shape [64, 3]" in json.loads(r.stdout)["error"]
+
+
+def scenario_load_under_zero3(rank: int, p: dict) -> dict:
+    import deepspeed
+
+    from ds_nvfp4.checkpoint.hf_nvfp4 import load_dequantized
+
+    ckpt = open_nvfp4_checkpoint(p["folder"])
+    plain = _tiny_llama(1)
+    load_dequantized(plain, ckpt)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": False}}
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = _tiny_llama(2)
+    partitioned = all(hasattr(q, "ds_id") and q.numel() == 0 for q in model.parameters())
+    load_dequantized(model, ckpt)
+    equal = {}
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+            equal[name] = bool(torch.equal(a, b)) or f"differs by {float((a - b).abs().max())}"
+    return {"partitioned": partitioned, "equal": equal}
+
+
+@pytest.mark.slow
+def test_the_loader_sets_zero3_partitioned_parameters_on_real_ranks(tmp_path: Path) -> None:
+    """Under ``zero.Init`` on 2 ranks every parameter ends equal to the one a plain model gets."""
+    from tests.ranks import run_ranks
+
+    src = _tiny_llama(0)
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in src.state_dict().items()}
+    for n, m in src.named_modules():
+        if isinstance(m, torch.nn.Linear) and n.endswith(("o_proj", "down_proj")):  # unfused: own global scales
+            del tensors[f"{n}.weight"]
+            tensors |= nvfp4_tensors("nvfp4-compressed-tensors", n, quantize(m.weight.detach(), block="1x16"),
+                                     slice(None), None)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({"quantization_config": compressed_tensors_config(["lm_head"])}))
+    for r in run_ranks(scenario_load_under_zero3, world_size=2, folder=str(folder)):
+        assert r["partitioned"] and r["equal"] and all(v is True for v in r["equal"].values()), r
