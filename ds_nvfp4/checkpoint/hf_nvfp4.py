@@ -11,8 +11,8 @@ block scales with ``safe_open(...).get_slice``: a rank that holds rows ``[a, b)`
 Layouts (the same tables as ``export/formats.py``, which writes them): codes uint8 ``[N, K/2]`` (two E2M1 codes per
 byte, low nibble first), block scales E4M3 ``[N, K/16]``, and the per-tensor global scale, ModelOpt's
 ``weight_scale_2 = amax / 2688`` (decode form) or compressed-tensors' ``weight_global_scale = 2688 / amax`` (encode
-form). Not yet here: loading the codes into packed ZeRO-3 partitions and LoRA on them (docs/finetune.md says what is
-missing).
+form). :meth:`NVFP4Checkpoint.read_flat` gives a ZeRO-3 partition's element range, which the packed storage takes as
+its codes for a frozen base (``precision.base``, engine/base.py).
 """
 
 from __future__ import annotations
@@ -78,6 +78,20 @@ class NVFP4Checkpoint:
             scale = f.get_slice(w.scale)[start:stop]
         return NVFP4Storage(data.contiguous(), scale.contiguous(), self.amax(module), torch.Size((stop - start, k)),
                             "1x16", E4M3_MAX)
+
+    def read_flat(self, module: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored codes of elements ``[start, stop)`` of ``module``'s row-major ``[N, K]`` weight (a ZeRO-3
+        partition's range; both multiples of 16): ``(data uint8 [(stop-start)/2], scale float8_e4m3fn
+        [(stop-start)/16], amax float32 0-dim)``. Only the rows the range touches are read from disk."""
+        n, k = self.weights[module].shape
+        if start % BLOCK_SIZE or stop % BLOCK_SIZE or not 0 <= start <= stop <= n * k:
+            raise ValueError(f"{module}: element range [{start}, {stop}) of a {n}x{k} weight is not a whole number "
+                             "of 1x16 blocks inside it")
+        first, last = start // k, -(-stop // k)
+        q = self.read(module, slice(first, last))
+        at = start - first * k
+        return (q.data.reshape(-1).narrow(0, at // 2, (stop - start) // 2),
+                q.scale.reshape(-1).narrow(0, at // BLOCK_SIZE, (stop - start) // BLOCK_SIZE), q.amax)
 
 
 def open_nvfp4_checkpoint(folder: str | os.PathLike) -> NVFP4Checkpoint:
@@ -257,27 +271,43 @@ def _read(file: Path, name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
+def checkpoint_name(name: str) -> str:
+    """A model parameter's (or module's) name as the checkpoint spells it: PEFT's wrapping
+    (``base_model.model.`` prefix, ``.base_layer`` of a tuned layer) removed."""
+    name = name.removeprefix("base_model.model.")
+    return ".".join(part for part in name.split(".") if part != "base_layer")
+
+
 @dataclass
 class LoadReport:
-    """What :func:`load_dequantized` did: weights set from NVFP4 codes, tensors copied as stored, and checkpoint
-    tensors no parameter took (tied weights, buffers)."""
+    """What :func:`load_dequantized` did: weights set from NVFP4 codes, tensors copied as stored, weights left to
+    come packed from their codes, parameters the checkpoint does not hold (adapters), and checkpoint tensors no
+    parameter took (tied weights, buffers)."""
 
     from_codes: list[str] = field(default_factory=list)
     as_stored: list[str] = field(default_factory=list)
+    packed: list[str] = field(default_factory=list)
+    new: list[str] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         return (f"{len(self.from_codes)} weights from NVFP4 codes, {len(self.as_stored)} tensors as stored"
+                + (f", {len(self.packed)} weights to be packed from their stored codes" if self.packed else "")
+                + (f", {len(self.new)} parameters not in the checkpoint (adapters: kept as initialized)"
+                   if self.new else "")
                 + (f", {len(self.unused)} checkpoint tensors unused ({', '.join(self.unused[:4])}"
                    f"{', ...' if len(self.unused) > 4 else ''})" if self.unused else ""))
 
 
-def load_dequantized(model: torch.nn.Module, ckpt: NVFP4Checkpoint) -> LoadReport:
-    """Continued training from an NVFP4 checkpoint: set every parameter of ``model`` (names as in the checkpoint)
-    to the checkpoint's values, the quantized weights dequantized from their stored codes (the FP32 masters then
-    start exactly at the checkpoint's weights, so the first BF16 forward reproduces its logits). Under ZeRO-3
-    (``zero.Init``) each parameter is gathered, set on every rank and re-partitioned. A parameter the checkpoint
-    lacks, or a shape that differs, is an error naming it and the folder; nothing is changed then."""
+def load_dequantized(model: torch.nn.Module, ckpt: NVFP4Checkpoint, *, packed: frozenset[str] = frozenset(),
+                     new: frozenset[str] = frozenset()) -> LoadReport:
+    """Continued training from an NVFP4 checkpoint: set every parameter of ``model`` (names as in the checkpoint,
+    PEFT's wrapping aside: :func:`checkpoint_name`) to the checkpoint's values, the quantized weights dequantized
+    from their stored codes (the FP32 masters then start exactly at the checkpoint's weights, so the first BF16
+    forward reproduces its logits). Under ZeRO-3 (``zero.Init``) each parameter is gathered, set on every rank and
+    re-partitioned. ``packed``: parameter names left alone because their codes are packed straight into their
+    partitions (a frozen base); ``new``: parameter names the checkpoint may lack (adapters). Any other parameter the
+    checkpoint lacks, or a shape that differs, is an error naming it and the folder; nothing is changed then."""
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -285,37 +315,47 @@ def load_dequantized(model: torch.nn.Module, ckpt: NVFP4Checkpoint) -> LoadRepor
     plan = []
     for name, p in params.items():
         shape = tuple(getattr(p, "ds_shape", p.shape))
-        module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module in ckpt.weights:
+        stored = checkpoint_name(name)
+        module = stored.removesuffix(".weight")
+        if stored.endswith(".weight") and module in ckpt.weights:
             want = ckpt.weights[module].shape
             if tuple(want) != shape:
                 raise CheckpointError(f"{ckpt.weights[module].file}: {module} is {list(want)} in the checkpoint, "
                                       f"{list(shape)} in the model")
+            if name in packed:
+                report.packed.append(name)
+                continue
             plan.append((name, p, module, None))
-        elif name in ckpt.tensors:
-            plan.append((name, p, None, ckpt.tensors[name]))
+        elif name in packed:
+            raise CheckpointError(f"{ckpt.folder}: {stored} is not an NVFP4 weight of the checkpoint, so its codes "
+                                  "cannot be packed as stored")
+        elif stored in ckpt.tensors:
+            plan.append((name, p, None, ckpt.tensors[stored]))
+        elif name in new:
+            report.new.append(name)
         else:
-            raise CheckpointError(f"{ckpt.folder}: has no tensor for the model's parameter {name} "
+            raise CheckpointError(f"{ckpt.folder}: has no tensor for the model's parameter {stored} "
                                   f"(shape {list(shape)})")
     for name, p, module, file in plan:
+        stored = checkpoint_name(name)
         if module is not None:
             value = ckpt.read(module).dequantize(torch.float32)
             report.from_codes.append(name)
         else:
             with safe_open(str(file), framework="pt") as f:
-                value = f.get_tensor(name)
+                value = f.get_tensor(stored)
             if tuple(value.shape) != tuple(getattr(p, "ds_shape", p.shape)):
-                raise CheckpointError(f"{file}: {name} has shape {list(value.shape)}, the model's parameter "
+                raise CheckpointError(f"{file}: {stored} has shape {list(value.shape)}, the model's parameter "
                                       f"{list(getattr(p, 'ds_shape', p.shape))}")
             report.as_stored.append(name)
-        _assign(p, value)
-    quantized = {name.removesuffix(".weight") for name in report.from_codes}
-    report.unused = sorted(t for t in ckpt.tensors
-                           if t not in report.as_stored and t.rpartition(".")[0] not in quantized)
+        assign_parameter(p, value)
+    quantized = {checkpoint_name(name).removesuffix(".weight") for name in report.from_codes + report.packed}
+    stored = {checkpoint_name(name) for name in report.as_stored}
+    report.unused = sorted(t for t in ckpt.tensors if t not in stored and t.rpartition(".")[0] not in quantized)
     return report
 
 
-def _assign(p: torch.nn.Parameter, value: torch.Tensor) -> None:
+def assign_parameter(p: torch.nn.Parameter, value: torch.Tensor) -> None:
     """``p = value``; a ZeRO-3 partitioned parameter is gathered, set on every rank (each read the same file) and
     partitioned again."""
     if hasattr(p, "ds_id"):

@@ -58,6 +58,13 @@ def load_run(ckpt_dir: str | os.PathLike, tag: str | None = None
                               "layers are NVFP4 is unknown (for BF16 weights of a plain DeepSpeed checkpoint use "
                               "DeepSpeed's zero_to_fp32.py)")
     meta = read_metadata(meta_path)
+    base = meta.precision.get("base") or {}
+    if base.get("frozen"):
+        where = f" ({base['checkpoint']})" if base.get("checkpoint") else ""
+        raise CheckpointError(f"{meta_path}: trained adapters on a frozen base{where} (precision.base.frozen), whose "
+                              "packed weights a checkpoint does not hold; save the adapters (trainer.save_model, "
+                              "PeftModel.save_pretrained) and write the model with `ds-nvfp4 merge BASE ADAPTER OUT "
+                              "--format bf16|nvfp4-compressed-tensors|nvfp4-modelopt`")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     try:

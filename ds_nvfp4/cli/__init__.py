@@ -14,8 +14,8 @@ import sys
 from .._version import __version__
 
 #: subcommand module names, in the order ``--help`` lists them
-SUBCOMMANDS = ("env", "validate", "explain", "schema", "compare", "finetune", "probe", "export", "checkpoint", "data",
-               "quantize_demo")
+SUBCOMMANDS = ("env", "validate", "explain", "schema", "compare", "finetune", "probe", "export", "checkpoint", "merge",
+               "data", "quantize_demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
+
+
+def model_folder_parser(sub: argparse._SubParsersAction, name: str, help: str, inputs: list[tuple[str, str]],
+                        formats: tuple[str, ...]) -> argparse.ArgumentParser:
+    """A subcommand that writes one model folder (export, merge): its positional inputs, then OUT_DIR, ``--format``
+    and ``--force``, with the exit statuses they share."""
+    p = sub.add_parser(name, help=help, description="Exit 0: written; 2: bad input (nothing written).")
+    for arg, text in inputs:
+        p.add_argument(arg, help=text)
+    p.add_argument("out_dir", help="new or empty folder (see --force)")
+    p.add_argument("--format", required=True, choices=formats)
+    p.add_argument("--force", action="store_true", help="replace an existing non-empty OUT_DIR whole")
+    return p
 
 
 def bad_input(command: str, exc: Exception) -> int:

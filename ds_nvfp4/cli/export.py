@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import bad_input
+from ._common import bad_input, model_folder_parser
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     from ..export import FORMATS
 
-    p = sub.add_parser("export", help="export a ds_nvfp4 DeepSpeed checkpoint (also an HF Trainer checkpoint-N "
-                                      "folder) to safetensors: BF16, ModelOpt NVFP4 or compressed-tensors NVFP4",
-                       description="Exit 0: written; 2: bad input (nothing written).")
-    p.add_argument("checkpoint_dir", help="folder with a 'latest' file and tag folders (HF: checkpoint-N)")
-    p.add_argument("out_dir", help="new or empty folder (see --force)")
-    p.add_argument("--format", required=True, choices=FORMATS)
+    p = model_folder_parser(
+        sub, "export", "export a ds_nvfp4 DeepSpeed checkpoint (also an HF Trainer checkpoint-N folder) to "
+                       "safetensors: BF16, ModelOpt NVFP4 or compressed-tensors NVFP4",
+        [("checkpoint_dir", "folder with a 'latest' file and tag folders (HF: checkpoint-N)")], FORMATS)
     p.add_argument("--tag", help="checkpoint tag (default: the 'latest' file)")
-    p.add_argument("--force", action="store_true", help="replace an existing non-empty OUT_DIR whole")
     p.add_argument("--weight-only", action="store_true",
                    help="declare W4A16 even when training recorded input amaxes (default: W4A4 when it did)")
     p.set_defaults(func=run)

@@ -113,7 +113,7 @@ def cross_check(ds: dict, pc: PrecisionConfig) -> list[Problem]:
         out.append(Problem("bf16.check_grad_overflow", "is false, so DeepSpeed applies steps whose gradients hold "
                                                        "NaN/Inf and precision.nonfinite cannot stop them before they "
                                                        "reach the FP32 masters; remove it (default true)", ("true",)))
-    out += _schedule_problems(ds, pc)
+    out += _schedule_problems(ds, pc) + _base_problems(stage, pc)
     if pc.monitor.enabled and not any(get_path(ds, f"{m}.enabled", False) for m in ("tensorboard", "csv_monitor",
                                                                                    "wandb", "comet")):
         out.append(Problem("precision.monitor.enabled", "no DeepSpeed monitor (tensorboard, csv_monitor, wandb, comet) "
@@ -166,6 +166,27 @@ PACKED_STORAGE_CONFLICTS = {
         "nvme", "the packed partitions are re-derived from the FP32 masters after each step, which NVMe "
                 'offload keeps swapped out; use offload_optimizer.device "cpu" or weights.storage "bf16"'),
 }
+
+
+def _base_problems(stage: Any, pc: PrecisionConfig) -> list[Problem]:
+    """A frozen base read from an NVFP4 checkpoint is multiplied as stored: packed ZeRO-3 partitions of the
+    checkpoint's 1x16 blocks, gathered as codes (a BF16 gather would quantize the weight again)."""
+    if not (pc.base.frozen and pc.base.checkpoint):
+        return []
+    need = []
+    if stage != 3 or not pc.stored_packed(stage):
+        need.append(f"zero_optimization.stage: 3 with packed storage (found stage {_show(stage)}, weights.storage "
+                    f"{_show(pc.weights.storage)})")
+    if pc.weights.block != "1x16":
+        need.append(f'precision.weights.block: "1x16", the checkpoint\'s blocks (found {_show(pc.weights.block)})')
+    if pc.communication.all_gather != "nvfp4":
+        need.append(f'precision.communication.all_gather: "nvfp4" (found {_show(pc.communication.all_gather)})')
+    if not need:
+        return []
+    return [Problem("precision.base.checkpoint", "with base.frozen true the forward multiplies the checkpoint's codes "
+                                                 "as stored, which needs " + "; ".join(need) + ". Or set "
+                                                 "precision.base.frozen false to train every weight from the "
+                                                 "dequantized checkpoint (continued training)")]
 
 
 def _packed_storage_conflicts(ds: dict, explicit: bool) -> list[Problem]:

@@ -150,6 +150,23 @@ class ScheduleConfig(StrictModel):
                           "the last 10 steps runs the next 50 steps BF16, at most 3 times); null: off")
 
 
+class BaseConfig(StrictModel):
+    """The base model of a fine-tune: frozen (adapters such as PEFT LoRA train beside it) and/or read from a
+    published NVFP4 checkpoint (docs/finetune.md)."""
+
+    frozen: bool = Field(
+        False, description="freeze every converted weight (requires_grad false): no FP32 master, no gradient, no "
+                           "optimizer state; under ZeRO-3 their partitions are packed NVFP4 once and never "
+                           "re-quantized. The parameters left trainable (adapters, or what the model leaves "
+                           "trainable) train as usual")
+    checkpoint: str | None = Field(
+        None, description="a compressed-tensors nvfp4-pack-quantized or ModelOpt NVFP4 HF folder the base is read "
+                          "from. With frozen true (LoRA): each rank reads its own ZeRO-3 slice of the codes and "
+                          "scales, which the forward multiplies as stored (needs ZeRO-3, weights.block \"1x16\" and "
+                          "communication.all_gather \"nvfp4\"); with frozen false (continued training): the FP32 "
+                          "masters start at the dequantized codes. Modules the checkpoint keeps BF16 stay BF16")
+
+
 class PrecisionConfig(StrictModel):
     """The whole ``"precision"`` section. ``PrecisionConfig()`` gives the documented defaults."""
 
@@ -167,6 +184,7 @@ class PrecisionConfig(StrictModel):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    base: BaseConfig = Field(default_factory=BaseConfig)
 
     @field_validator("kernel")
     @classmethod

@@ -27,6 +27,7 @@ from ..zero.leaves import mark_experts_leaves
 from ..zero.shm import release_shm_workspace
 from ..zero.traffic import engine_traffic
 from .announce import announce, summary_line
+from .base import finish_base, open_base, prepare_base
 from .checkpoint import Checkpoints
 from .lifecycle import Feature, install, is_pipeline
 from .nonfinite import NonFiniteGuard
@@ -78,8 +79,12 @@ def initialize(*args, **kwargs):
     if model is None:
         raise ValueError("ds_nvfp4.initialize needs model=... (the module to convert)")
     selection = select(precision.kernel)
-    conversion = convert_model(model, precision, selection=selection, blocks=pipeline_blocks(model))
+    base = open_base(model, precision)  # a checkpoint is validated before anything changes
+    conversion = convert_model(model, precision, selection=selection, blocks=pipeline_blocks(model),
+                               bf16_reasons=base.bf16_reasons if base else None)
     _refuse_nothing_fp4(conversion, model)
+    if base is not None:
+        prepare_base(model, base, precision, conversion)
     if stage == 3 and (leaves := mark_experts_leaves(model)):
         conversion.notes.append(f"ZeRO-3: {len(leaves)} experts modules made leaf modules (their per-expert loop "
                                 "runs submodules a data-dependent number of times, which ZeRO-3's prefetch trace "
@@ -117,11 +122,14 @@ def initialize(*args, **kwargs):
         names = {id(p): n for n, p in engine.module.named_parameters()}
         fused = [[id(engine.module.get_submodule(n).weight) for n in g] for g in conversion.fused_groups]
         state.store = install_storage(engine, names, converted, layers[0].recipe,
-                                      precision.communication.all_gather, fused)
+                                      precision.communication.all_gather, fused,
+                                      base.sources if base else None, base.describe_sources() if base else "")
         for name, why in state.store.kept_bf16.items():
             conversion.notes.append(f"{name}: FP4 GEMMs, but its ZeRO-3 partition is stored BF16: {why}")
         for label, why in state.store.unfused.items():
             _unfuse(engine.module, conversion, [label.split(", ")], why)
+    if base is not None:
+        finish_base(base, engine, state.store)
     schedule = Schedule(engine, state, SchedulePlan.from_config(precision, ds_config), layers)
     state.schedule_feature, state.nonfinite_feature = schedule, NonFiniteGuard(engine)
     if precision.monitor.enabled:

@@ -128,13 +128,32 @@ def _fuse(model: nn.Module, report: ConversionReport, groups: list[list[str]]) -
                 m.weight_codes.group = group
 
 
+def adapter_modules(model: nn.Module) -> dict[str, str]:
+    """Modules that are adapters of another layer, by role: the children of a tuner layer (a module holding a
+    ``base_layer``, as PEFT's LoRA, DoRA, IA3 ... layers do) other than its base layer, and their descendants.
+    Name -> the tuner layer's name. They train in BF16: small, and the precision the adapter method assumes."""
+    out: dict[str, str] = {}
+    for name, m in model.named_modules():
+        base = getattr(m, "base_layer", None)
+        if not isinstance(base, nn.Module) or name in out:
+            continue
+        prefix = f"{name}." if name else ""
+        for child, sub in m.named_modules():
+            if child and sub is not base and not child.startswith("base_layer"):
+                out[prefix + child] = name
+    return out
+
+
 def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, selection: Selection | None = None,
-                  device=None, blocks: Blocks | None = None) -> ConversionReport:
+                  device=None, blocks: Blocks | None = None,
+                  bf16_reasons: dict[str, str] | None = None) -> ConversionReport:
     """Convert ``model`` in place per ``precision.modules`` and return the report.
 
     Call it before ``deepspeed.initialize`` (``ds_nvfp4.initialize`` does). Parameters keep their identity, so
     optimizers, state_dict keys and ZeRO-3 partitioned parameters are unaffected. ``blocks``: the model's
     transformer blocks when :func:`find_blocks` cannot see them (a pipeline stage: engine/pipeline.py).
+    ``bf16_reasons``: modules (full names) that stay BF16 whatever the rules say, with the reason (e.g. what a
+    published checkpoint stores in BF16). Adapters (:func:`adapter_modules`) always stay BF16.
 
     Raises:
         ValueError: ``keep_first/last_blocks_bf16`` asks for blocks the model does not have.
@@ -173,6 +192,8 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
                     for c, _ in m.named_modules() if c}
     vocab = {m.num_embeddings: n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
     members = {m: s.name for s in moe.sites for m in s.members}
+    adapters = adapter_modules(model)
+    forced = bf16_reasons or {}
     accounted: set[int] = set()
 
     for name, m in list(model.named_modules()):
@@ -195,7 +216,12 @@ def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, select
         gemms = _gemm_weights(name, m, kind, site)
         shared = [o for _, pname, _, _ in gemms for o in owners.get(id(m.get_parameter(pname)), [])
                   if o != f"{name}.{pname}"]
-        if isinstance(m, FP4Module):
+        if name in adapters:
+            fp4, reason = False, (f"an adapter of {adapters[name]} (trained in BF16; its base layer follows the "
+                                  "rules)")
+        elif name in forced:
+            fp4, reason = False, forced[name]
+        elif isinstance(m, FP4Module):
             fp4, reason = True, f"already {type(m).__name__}"
         elif name in mha_children:
             fp4, reason = False, ("read directly by nn.MultiheadAttention's fused kernel (its forward never calls "

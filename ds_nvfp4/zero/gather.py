@@ -18,9 +18,14 @@ if TYPE_CHECKING:
 
 
 def install_gather_hooks(store: PackedPartitions) -> None:
-    """Wrap the closures of every parameter the storage holds."""
-    for e in store.entries.values():
-        wrap_closures(store, e.param)
+    """Wrap the closures of every ZeRO-3 parameter of the engine's module: DeepSpeed gathers a list of parameters
+    through the first one's closure, and a list may mix packed weights with parameters the storage does not hold
+    (a frozen base's norms and embeddings), in a per-rank order."""
+    seen = set()
+    for p in [e.param for e in store.entries.values()] + list(store.engine.module.parameters()):
+        if hasattr(p, "ds_id") and id(p) not in seen:
+            seen.add(id(p))
+            wrap_closures(store, p)
 
 
 class _AfterWait:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..nn.recipe import Recipe
 from ..nn.weights import WeightCodes
 from .gather import install_gather_hooks
-from .packed import PackedPartitions
+from .packed import FrozenSource, PackedPartitions
 
 
 class PackedStorageOptimizerMixin:
@@ -36,11 +36,14 @@ class PackedStorageOptimizerMixin:
 
 
 def install(engine, names: dict[int, str], converted: dict[int, WeightCodes], recipe: Recipe, all_gather: str,
-            fused: list[list[int]] | None = None) -> PackedPartitions:
+            fused: list[list[int]] | None = None, frozen_sources: dict[int, FrozenSource] | None = None,
+            frozen_described: str = "") -> PackedPartitions:
     """Pack the engine's converted ZeRO-3 weights and hook DeepSpeed (called by ``ds_nvfp4.initialize``).
 
     ``recipe``: the layers' weight quantization (block, scaling) that the partitions reproduce bit for bit;
     ``fused`` lists groups of parameter ids (weights of one fused inference GEMM) that share one amax.
+    Converted weights that do not train (a frozen base) are packed once, from ``frozen_sources`` where given (their
+    stored codes, e.g. a published checkpoint's, ``frozen_described`` saying which) or from their BF16 partitions.
     """
     opt = engine.optimizer
     store = PackedPartitions(engine, names, converted, recipe, all_gather, fused)
@@ -49,6 +52,7 @@ def install(engine, names: dict[int, str], converted: dict[int, WeightCodes], re
     opt._ds_nvfp4_store = store
     opt._partition_all_parameters()
     store.pack_all()
+    store.pack_frozen(frozen_sources, frozen_described)
     install_gather_hooks(store)
     # persistent parameters still hold their pre-packing BF16 values: the forward must see the packed weight
     store.refresh_persistent()

@@ -14,19 +14,34 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ..nn.fused import share_amax
 from ..nn.nonfinite import NonFiniteError
 from ..nn.recipe import Recipe
-from ..nn.weights import WeightCodes
+from ..nn.weights import Codes, WeightCodes
 from .collectives import agree_max
-from .partition import PackedPartition, PartitionLayout, local_amax, pack_partition, partition_layout, unpack_partition
+from .partition import (
+    PackedPartition,
+    PartitionLayout,
+    local_amax,
+    pack_partition,
+    partition_from_codes,
+    partition_layout,
+    unpack_partition,
+)
+from .report import StorageReport
 from .wire import WireFormat, wire_format
 
 log = logging.getLogger("ds_nvfp4")
+
+#: where a frozen weight's codes come from instead of its BF16 partition (a published checkpoint): flat element range
+#: ``[start, stop)`` of the row-major ``[N, K]`` weight -> ``(data uint8 [(stop-start)/2], scale float8_e4m3fn
+#: [(stop-start)/16], amax float32 0-dim)``, exactly as stored in 1x16 blocks
+FrozenSource = Callable[[int, int], Codes]
 
 
 @dataclass
@@ -41,45 +56,11 @@ class Entry:
     layout: PartitionLayout | None = None   # None: not a converted weight
     q: PackedPartition | None = None        # the packed partition when packable
     codes: WeightCodes | None = None        # the owning layer's weight-codes contract (converted weights)
+    frozen: bool = False                    # requires_grad False: packed once, no master, never re-quantized
 
     @property
     def packable(self) -> bool:
         return self.layout is not None and self.layout.packable
-
-
-@dataclass
-class StorageReport:
-    """Per-rank storage of the model's partitions (bytes are this rank's resident partition bytes)."""
-
-    rank: int
-    all_gather: str
-    packed_params: int = 0
-    packed_bytes: int = 0
-    packed_bf16_equivalent_bytes: int = 0
-    bf16_params: int = 0
-    bf16_bytes: int = 0
-    kept_bf16: dict[str, str] = field(default_factory=dict)   # converted weights stored BF16, with the reason
-    gathered_bytes: int = 0                                     # bytes received by gathers of packed weights
-
-    @property
-    def ratio(self) -> float:
-        """Packed bytes / the BF16 bytes the same partitions would take."""
-        return self.packed_bytes / self.packed_bf16_equivalent_bytes if self.packed_bf16_equivalent_bytes else 1.0
-
-    def summary(self) -> str:
-        s = (f"ds_nvfp4 storage rank {self.rank}: {self.packed_params} weight partitions packed NVFP4, "
-             f"{self.packed_bytes:,} bytes vs {self.packed_bf16_equivalent_bytes:,} in BF16 ({self.ratio:.4f}x); "
-             f"{self.bf16_params} partitions BF16 ({self.bf16_bytes:,} bytes); all-gather {self.all_gather}")
-        for name, why in self.kept_bf16.items():
-            s += f"\n  converted weight kept BF16: {name}: {why}"
-        return s
-
-    def to_dict(self) -> dict:
-        from dataclasses import asdict
-
-        d = asdict(self)
-        d["ratio"] = self.ratio
-        return d
 
 
 def _placeholder(t: torch.Tensor) -> torch.Tensor:
@@ -138,8 +119,24 @@ class PackedPartitions:
                 off += numel
             self.by_group.append(group)
         trained = {id(p) for params in self.opt.fp16_groups for p in params}
-        for pid in set(converted) - trained:
-            self.kept_bf16[names.get(pid, "?")] = "not trained (no optimizer partition): stored BF16"
+        #: converted weights that do not train (requires_grad False: a frozen base), packed once by pack_frozen
+        self.frozen: list[Entry] = []
+        self.frozen_source = "quantized once from their BF16 partitions"
+        params = {id(p): p for p in engine.module.parameters()}
+        for pid in sorted(set(converted) - trained, key=lambda i: names.get(i, "?")):
+            p = params.get(pid)
+            if p is None or p.requires_grad or not hasattr(p, "ds_tensor"):
+                self.kept_bf16[names.get(pid, "?")] = "not trained (no optimizer partition): stored BF16"
+                continue
+            pg = p.ds_process_group
+            e = Entry(p, names.get(pid, f"ds_id {p.ds_id}"), -1, 0, int(p.partition_numel()), codes=converted[pid],
+                      frozen=True)
+            e.layout = partition_layout(tuple(e.codes.stored_shape or p.ds_shape), e.numel,
+                                        dist.get_world_size(group=pg), block, dist.get_rank(group=pg))
+            if not e.layout.packable:
+                self.kept_bf16[e.name] = f"frozen, {e.layout.reason}"
+            self.entries[pid] = e
+            self.frozen.append(e)
         #: fused groups (weights of one inference GEMM) whose amax the store agrees on, per sub-group
         self.fused: dict[int, list[list[Entry]]] = {}
         #: fused groups that cannot share an amax here, with the reason (names joined by ", ")
@@ -210,6 +207,49 @@ class PackedPartitions:
                 e.param.ds_tensor.data = view
                 off += e.numel
 
+    def pack_frozen(self, sources: dict[int, FrozenSource] | None = None, described: str = "") -> None:
+        """Pack every frozen weight's partition once: from ``sources`` (``id(param)`` -> its stored codes, e.g. a
+        published checkpoint's, used exactly as stored) or else quantized from its BF16 partition with the amax
+        agreed across its ranks. Frozen partitions stay packed in every phase (BF16 schedule phases included: the
+        layers then gather and multiply their dequantized values) and through checkpoint loading."""
+        sources = sources or {}
+        todo = [e for e in self.frozen if e.packable]
+        own = [e for e in todo if id(e.param) not in sources]
+        groups: dict[int, list[Entry]] = {}
+        for e in own:
+            groups.setdefault(id(e.param.ds_process_group), []).append(e)
+        amax: dict[int, torch.Tensor] = {}
+        for members in groups.values():
+            parts = [local_amax(e.param.ds_tensor.data, e.layout).reshape(-1) for e in members]
+            agreed, bad = agree_max(torch.cat(parts).float(), group=members[0].param.ds_process_group)
+            sizes = [t.numel() for t in parts]
+            for e, a, b in zip(members, agreed.split(sizes), bad.split(sizes)):
+                if bool(b.any()):
+                    raise NonFiniteError(f"ds_nvfp4: the frozen weight {e.name} holds NaN/Inf: it cannot be packed")
+                amax[id(e.param)] = a.reshape(()) if e.layout.experts is None else a
+        for e in todo:
+            dev = e.param.ds_tensor.device
+            if id(e.param) in sources:
+                rank = self.dist.get_rank(group=e.param.ds_process_group)
+                e.q = partition_from_codes(sources[id(e.param)](rank * e.numel, (rank + 1) * e.numel), e.layout)
+                a = e.q.parts[0].amax
+            else:
+                a = amax[id(e.param)]
+                e.q = pack_partition(e.param.ds_tensor.data.float(), e.layout, self.block, a, scaling=self.scaling)
+            e.q = e.q.to(dev)
+            e.codes.agreed_amax = a.to(dev).clone()
+            e.param.ds_tensor.data = _placeholder(e.param.ds_tensor)
+        if sources:
+            self.frozen_source = described or "read from their source as stored"
+
+    def set_master(self, param: torch.nn.Parameter, local: torch.Tensor) -> None:
+        """This rank's FP32 master partition of a trained ``param`` := ``local`` (``[partition_numel]``); DeepSpeed's
+        ``safe_set_local_fp32_param`` checks the size against the BF16 partition, which packing emptied. Call
+        :meth:`pack_all` after the last one."""
+        e = self.entries[id(param)]
+        with torch.no_grad():
+            self.opt.fp32_partitioned_groups_flat[e.sub_group].narrow(0, e.offset, e.numel).copy_(local.reshape(-1))
+
     def pack_all(self) -> None:
         for sid in range(len(self.by_group)):
             self.pack_group(sid)
@@ -249,7 +289,7 @@ class PackedPartitions:
             if group:
                 self.opt.fp16_partitioned_groups_flat[sid].copy_(self.opt.fp32_partitioned_groups_flat[sid])
         for e in self.entries.values():
-            if e.packable:
+            if e.packable and not e.frozen:
                 e.codes.agreed_amax = None  # a BF16 weight's forward derives its own amax
 
     def refresh_persistent(self) -> None:
@@ -278,7 +318,8 @@ class PackedPartitions:
         out = []
         for p in params:
             e = self.entries.get(id(p))
-            if e is not None and e.packable and self.packed and p.ds_status == self.not_available:
+            if (e is not None and e.packable and (self.packed or e.frozen) and e.q is not None
+                    and p.ds_status == self.not_available):
                 out.append(e)
         return out
 
@@ -314,11 +355,15 @@ class PackedPartitions:
     def report(self) -> StorageReport:
         r = StorageReport(rank=self.dist.get_rank(), all_gather=self.all_gather, kept_bf16=dict(self.kept_bf16),
                           gathered_bytes=self.gathered_bytes)
+        r.frozen_source = self.frozen_source
         for e in self.entries.values():
-            if e.packable and self.packed:
+            if e.packable and (self.packed or e.frozen) and e.q is not None:
                 r.packed_params += 1
                 r.packed_bytes += e.q.nbytes
                 r.packed_bf16_equivalent_bytes += e.numel * 2
+                if e.frozen:
+                    r.frozen_params += 1
+                    r.frozen_bytes += e.q.nbytes
             else:
                 r.bf16_params += 1
                 r.bf16_bytes += e.numel * e.param.ds_tensor.element_size()

@@ -123,6 +123,24 @@ def pack_partition(flat: torch.Tensor, layout: PartitionLayout, block: str, amax
         for s in layout.segments))
 
 
+def partition_from_codes(codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                         layout: PartitionLayout) -> PackedPartition:
+    """A partition of a 2-D weight in 1x16 blocks from codes stored elsewhere (a published checkpoint), taken as they
+    are: ``codes`` = ``(data uint8 [P/2], scale float8_e4m3fn [P/16], amax float32 0-dim)`` of the partition's flat
+    element range. The result is what :func:`pack_partition` would give for values whose quantization these codes
+    are (one segment ``[P/16, 16]``), so gathers and the forward treat it like any packed partition."""
+    data, scale, amax = codes
+    if layout.experts is not None or len(layout.segments) != 1 or layout.segments[0].cols != BLOCK_SIZE:
+        raise ValueError("stored codes can only be taken for a 2-D weight in 1x16 blocks (one segment of rows of 16)")
+    seg = layout.segments[0]
+    if data.numel() * 2 != seg.numel or scale.numel() * BLOCK_SIZE != seg.numel:
+        raise ValueError(f"stored codes for {seg.numel} elements: got {data.numel()} code bytes and {scale.numel()} "
+                         f"scales, expected {seg.numel // 2} and {seg.numel // BLOCK_SIZE}")
+    return PackedPartition((NVFP4Storage(data.reshape(seg.rows, BLOCK_SIZE // 2).contiguous(),
+                                         scale.reshape(seg.rows, 1).contiguous(), amax.float().reshape(()),
+                                         torch.Size((seg.rows, BLOCK_SIZE)), "1x16", E4M3_MAX),))
+
+
 def unpack_partition(q: PackedPartition, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Flat ``[P]`` dequantized partition."""
     return q.dequantize(dtype)

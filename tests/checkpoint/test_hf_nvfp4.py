@@ -15,6 +15,8 @@ from ds_nvfp4 import quantize
 from ds_nvfp4.checkpoint import CheckpointError
 from ds_nvfp4.checkpoint.hf_nvfp4 import open_nvfp4_checkpoint
 from ds_nvfp4.export.formats import compressed_tensors_config, modelopt_config, nvfp4_tensors
+from tests.checkpoint.tiny import decompressed_llama, linears, llama_folder
+from tests.checkpoint.tiny import tiny_llama as _tiny_llama
 
 ATTN = "model.layers.0.self_attn"
 FORMATS = {"compressed-tensors": "nvfp4-compressed-tensors", "modelopt": "nvfp4-modelopt"}
@@ -151,61 +153,17 @@ def test_a_missing_shard_and_a_modelopt_algorithm_other_than_nvfp4(tmp_path: Pat
         open_nvfp4_checkpoint(tmp_path / "b")
 
 
-def _tiny_llama(seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(cfg).eval()
-
-
 def test_continued_training_starts_from_the_logits_of_compressed_tensors_own_reader(tmp_path: Path) -> None:
     """A tiny Llama's Linears written NVFP4 (compressed-tensors, fused q/k/v and gate/up sharing their global
     scale, lm_head BF16), loaded into a fresh model: its weights and logits equal those of the same model with the
     weights compressed-tensors' own decompressor returns."""
-    from compressed_tensors.compressors import NVFP4PackedCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-
     from ds_nvfp4.checkpoint.hf_nvfp4 import load_dequantized
 
-    src = _tiny_llama(0)
-    sd = {k: v.detach().clone() for k, v in src.state_dict().items()}
-    tensors, groups = {}, {}
-    linears = [n for n, m in src.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
-    for n in linears:
-        parent, _, leaf = n.rpartition(".")
-        key = (parent, "qkv" if leaf in ("q_proj", "k_proj", "v_proj") else "mlp" if leaf in ("gate_proj", "up_proj")
-               else leaf)
-        groups.setdefault(key, []).append(n)
-    for members in groups.values():
-        amax = max(sd[f"{n}.weight"].abs().amax() for n in members)
-        for n in members:
-            tensors |= nvfp4_tensors("nvfp4-compressed-tensors", n, quantize(sd.pop(f"{n}.weight"), block="1x16",
-                                                                             amax=amax), slice(None), None)
-    tensors |= {k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    save_file(tensors, folder / "model.safetensors")
-    qc = compressed_tensors_config(["lm_head"])
-    (folder / "config.json").write_text(json.dumps({"quantization_config": qc}))
-
+    tensors = llama_folder(tmp_path / "ckpt")
     model = _tiny_llama(1).to(torch.bfloat16)
-    report = load_dequantized(model, open_nvfp4_checkpoint(folder))
-    assert len(report.from_codes) == len(linears) == 14 and "lm_head.weight" in report.as_stored
-
-    ref = _tiny_llama(2).to(torch.bfloat16)
-    scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            module = name.removesuffix(".weight")
-            if module in linears:
-                got = NVFP4PackedCompressor.decompress({k: tensors[f"{module}.{k}"] for k in
-                                                        ("weight_packed", "weight_scale", "weight_global_scale")},
-                                                       scheme)["weight"]
-                p.copy_(got.to(torch.bfloat16))
-            else:
-                p.copy_(tensors[name])
+    report = load_dequantized(model, open_nvfp4_checkpoint(tmp_path / "ckpt"))
+    assert len(report.from_codes) == len(linears(model)) == 14 and "lm_head.weight" in report.as_stored
+    ref = decompressed_llama(tensors)
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(a, b), name
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))

@@ -107,6 +107,32 @@ def test_pdsh_hostfile(cluster: Cluster, data: Path) -> None:
     assert "GLOO_SOCKET_IFNAME=dsnv0" in log  # the generated .deepspeed_env is shown
 
 
+def test_lora_on_an_nvfp4_checkpoint_across_two_hosts(cluster: Cluster, tmp_path: Path) -> None:
+    """PEFT LoRA on a frozen NVFP4 checkpoint (docs/finetune.md) with the unmodified HF Trainer script, launched by
+    launch/pdsh.sh on 2 emulated hosts: each host's rank packs its own slice of the checkpoint, equal losses that
+    fall, adapters saved."""
+    from tests.checkpoint.tiny import llama_folder
+    from tests.integrations.hf_run import lora_ds_config
+
+    need("pdsh")
+    llama_folder(tmp_path / "ckpt")
+    (tmp_path / "ds.json").write_text(json.dumps(lora_ds_config(tmp_path / "ckpt")))
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = (f"cd {ROOT} && timeout {JOB_TIMEOUT} bash launch/pdsh.sh --base {tmp_path / 'ckpt'} --out {out} "
+           "--steps 4 --save_steps 4")
+    r = cluster.hosts[0].run(cmd, timeout=JOB_TIMEOUT + 30, env=job_env(
+        HOSTFILE=str(cluster.root / "hostfile"), CONFIG=str(tmp_path / "ds.json"),
+        SCRIPT=str(ROOT / "tests" / "integrations" / "hf_lora_script.py")))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    ranks = [json.loads((out / f"rank{k}.json").read_text()) for k in range(2)]
+    assert {x["host"] for x in ranks} == {"n1", "n2"} and len({x["netns"] for x in ranks}) == 2, ranks
+    for x in ranks:
+        assert x["report"]["frozen_params"] == 14 and "read as stored" in x["report"]["frozen_source"], x
+    assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[0]["losses"]["4"] < ranks[0]["losses"]["1"]
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
 def test_pdsh_two_ranks_per_host(cluster: Cluster, data: Path) -> None:
     need("pdsh")
     hostfile = cluster.root / "hostfile2"

@@ -43,7 +43,24 @@ def test_defaults_are_the_contract() -> None:
         "nonfinite": {"action": "raise", "max_consecutive_skips": 8},
         "schedule": {"bf16_warmup_steps": 0, "bf16_from": None, "bf16_gemms": "forward", "total_steps": None,
                      "spike_guard": None},
+        "base": {"frozen": False, "checkpoint": None},
     }
+
+
+def test_a_frozen_checkpoint_base_needs_packed_1x16_nvfp4_gathers() -> None:
+    """The forward multiplies the checkpoint's codes as stored: one error naming everything that must change."""
+    frozen = {"base": {"frozen": True, "checkpoint": "some/folder"}}
+    got = errors(cfg(**frozen))  # the preset: ZeRO-3, 16x16, BF16 gathers
+    assert [p.path for p in got] == ["precision.base.checkpoint"]
+    assert 'weights.block: "1x16"' in got[0].message and 'all_gather: "nvfp4"' in got[0].message
+    assert "zero_optimization.stage" not in got[0].message
+    d = cfg(weights={"block": "1x16"}, communication={"all_gather": "nvfp4"}, **frozen)
+    assert errors(d) == []
+    d["zero_optimization"]["stage"] = 2
+    paths = [p.path for p in errors(d)]
+    assert "precision.base.checkpoint" in paths and any("stage: 3" in p.message for p in errors(d))
+    # continued training (not frozen) and a frozen base without a checkpoint have no such needs
+    assert errors(cfg(base={"checkpoint": "some/folder"})) == errors(cfg(base={"frozen": True})) == []
 
 
 @pytest.mark.parametrize(

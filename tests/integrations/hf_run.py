@@ -27,6 +27,16 @@ HF_DS_CONFIG = {
 }
 
 
+def lora_ds_config(checkpoint: Path) -> dict:
+    """HF_DS_CONFIG for LoRA on the NVFP4 checkpoint ``checkpoint`` (docs/finetune.md): a frozen base read as stored
+    (1x16 blocks, NVFP4 gathers); the 16-bit weights gathered when the Trainer saves (its adapters)."""
+    ds = {k: v for k, v in HF_DS_CONFIG.items() if k != "train_batch_size"}
+    ds["zero_optimization"] = {**ds["zero_optimization"], "stage3_gather_16bit_weights_on_model_save": True}
+    ds["precision"] = {"enabled": True, "weights": {"block": "1x16"}, "communication": {"all_gather": "nvfp4"},
+                       "base": {"frozen": True, "checkpoint": str(checkpoint)}}
+    return ds
+
+
 def env() -> dict[str, str]:
     keep = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
     return {**keep, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),

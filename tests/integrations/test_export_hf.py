@@ -80,3 +80,24 @@ def test_bf16_and_compressed_tensors_exports_load_in_transformers_with_the_same_
         a, b = bf16(ids).logits, ct(ids).logits
     assert torch.isfinite(a).all()
     assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4-compressed-tensors", "nvfp4-modelopt"])
+def test_lora_trains_on_the_export_of_this_training(run: dict, tmp_path: Path, fmt: str) -> None:
+    """The round trip of docs/finetune.md: NVFP4 training, `ds-nvfp4 export` in either published layout, then LoRA on
+    that folder under the unmodified PEFT + HF Trainer script on 2 ranks: every exported NVFP4 layer is a frozen
+    base packed from the folder's codes, the adapters lower the loss."""
+    from tests.integrations.hf_run import BIN, HERE, launch, lora_ds_config
+    from tests.ranks import free_port
+
+    export(run["ckpt"], tmp_path / "model", fmt, "--weight-only")
+    (tmp_path / "ds.json").write_text(json.dumps(lora_ds_config(tmp_path / "model")))
+    out = tmp_path / "lora"
+    out.mkdir()
+    launch([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+            str(HERE / "hf_lora_script.py"), "--deepspeed", str(tmp_path / "ds.json"), "--base",
+            str(tmp_path / "model"), "--out", str(out), "--steps", "4", "--save_steps", "4"], tmp_path / "log.txt")
+    for k in range(2):
+        r = json.loads((out / f"rank{k}.json").read_text())
+        assert r["report"]["frozen_params"] == len(run["nvfp4"]), r["report"]
+        assert r["losses"]["4"] < r["losses"]["1"], r["losses"]
