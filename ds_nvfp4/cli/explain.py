@@ -41,11 +41,13 @@ def describe(ds: dict, pc: PrecisionConfig) -> list[str]:
         f"  Weights quantized with {pc.weights.block} blocks; activations 1x16 with a per-tensor dynamic amax"
         + (", RHT on both forward operands." if pc.activations.hadamard else "."),
     ]
+    base = pc.base
     if pc.stored_packed(stage):
         bpp = NVFP4_BYTES_PER_PARAM[pc.weights.block]
+        how = ("frozen: packed once, never re-quantized, no FP32 master or optimizer state" if base.frozen else
+               "re-quantized from the FP32 master after each step")
         lines.append(f"  ZeRO-3 partitions of converted weights stored packed: {bpp:.4f} bytes/param "
-                     f"({bpp / 2:.1%} of BF16's 2), re-quantized from the FP32 master after each step "
-                     f"({pc.describe_storage(stage)}).")
+                     f"({bpp / 2:.1%} of BF16's 2), {how} ({pc.describe_storage(stage)}).")
     else:
         lines.append(f"  Weights stored by DeepSpeed in BF16 (2 bytes/param; {pc.describe_storage(stage)}); FP4 GEMMs "
                      "quantize them on the fly.")
@@ -72,6 +74,14 @@ def describe(ds: dict, pc: PrecisionConfig) -> list[str]:
     if plan.active:
         lines.append("  Schedule (precision.schedule, applied on optimizer-step boundaries): "
                      + "; ".join(plan.describe()) + ".")
+    if base.frozen or base.checkpoint:
+        lines.append("  Base (precision.base, docs/finetune.md): " + (
+            "every converted weight frozen (requires_grad false); adapters (PEFT) and whatever else is trainable "
+            "train" if base.frozen else "every weight trains") + (
+            f"; read from the NVFP4 checkpoint {base.checkpoint}: " + (
+                "each rank packs its own slice of the codes, which the forward multiplies as stored" if base.frozen
+                else "the FP32 masters start at the dequantized codes (continued training)") if base.checkpoint
+            else "") + ".")
     if pc.modules.fuse:
         lines.append(f"  Fused groups (one weight amax each, for inference engines): {pc.modules.fuse}")
     return lines

@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     for path in args.files:
         entry: dict = {"file": path, "valid": False, "readable": True, "problems": []}
+        ds = None
         try:
             ds = read_json(path)
             _, problems = check_config(ds, deepspeed_checks=not args.no_deepspeed)
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         except ConfigError as exc:
             problems = exc.problems
+        problems = list(problems) + (_base_checkpoint_problems(ds) if isinstance(ds, dict) else [])
         if not args.allow_unknown:  # a near miss trains silently without what it meant: an error here
             problems = [replace(p, severity="error", message=p.message + " (--allow-unknown to accept it)")
                         if p.code == "near-miss" else p for p in problems]
@@ -64,3 +66,22 @@ def run(args: argparse.Namespace) -> int:
         if r["valid"] and not args.quiet:
             print(f"{r['file']}: ok")
     return status
+
+
+def _base_checkpoint_problems(ds: dict) -> list:
+    """``precision.base.checkpoint`` names a folder: check it as a fine-tune will load it (configs, headers and
+    global scales only), so a bad checkpoint stops here, before any job starts."""
+    from ..checkpoint import CheckpointError
+    from ..checkpoint.hf_nvfp4 import open_nvfp4_checkpoint
+    from ..config import Problem
+
+    section = ds.get("precision")
+    base = section.get("base") if isinstance(section, dict) else None
+    folder = base.get("checkpoint") if isinstance(base, dict) else None
+    if not isinstance(folder, str) or not section.get("enabled"):
+        return []
+    try:
+        open_nvfp4_checkpoint(folder)
+    except CheckpointError as exc:
+        return [Problem("precision.base.checkpoint", str(exc))]
+    return []

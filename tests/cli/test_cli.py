@@ -28,7 +28,7 @@ def write(tmp: Path, name: str, text: str) -> str:
 def test_presets_are_valid_including_deepspeed_checks() -> None:
     r = cli("validate", *map(str, PRESETS))
     assert r.returncode == 0, r.stderr + r.stdout
-    assert r.stdout.count(": ok") == len(PRESETS) == 6
+    assert r.stdout.count(": ok") == len(PRESETS) == 7
 
 
 def test_bench_configs_are_valid() -> None:
@@ -140,6 +140,7 @@ def test_schema_is_json_schema() -> None:
                                             ("nvfp4_full_zero3.json", "steps 1-50: every converted layer in BF16 "
                                                                       "(BF16 weights); steps 51 on: fp4"),
                                             ("nvfp4_zero2.json", "stored by DeepSpeed in BF16"),
+                                            ("nvfp4_zero3_lora.json", "frozen: packed once, never re-quantized"),
                                             ("bf16_zero3.json", "NVFP4 is disabled"),
                                             ("nvfp4_zero3_all_blocks_ablation.json", "Every transformer block is FP4"),
                                             ("../bench/configs/nvfp4_zero3_all_blocks_late_bf16_2100.json",
@@ -182,3 +183,19 @@ def test_explain_and_env_state_the_bytes_per_step_of_the_model(tmp_path: Path) -
     bad = cli("explain", str(PRESETS[0].parent / "nvfp4_zero3.json"), "--model", "7b")
     assert bad.returncode == 2 and "not a reference preset (1m, 5m" in bad.stderr
     assert cli("env", "--model", "20m").returncode == 2
+
+
+def test_validate_checks_the_base_checkpoint_folder(tmp_path: Path) -> None:
+    """``precision.base.checkpoint`` is checked as a fine-tune would load it, before any job starts."""
+    from tests.checkpoint.tiny import llama_folder
+
+    cfg = json.loads((PRESETS[0].parent / "nvfp4_zero3_lora.json").read_text())
+    cfg["precision"]["base"]["checkpoint"] = str(tmp_path / "missing")
+    f = write(tmp_path, "lora.json", json.dumps(cfg))
+    r = cli("validate", f)
+    assert r.returncode == 1 and "precision.base.checkpoint:" in r.stdout + r.stderr and "no such checkpoint folder" \
+        in r.stdout + r.stderr
+    llama_folder(tmp_path / "ckpt")
+    cfg["precision"]["base"]["checkpoint"] = str(tmp_path / "ckpt")
+    f = write(tmp_path, "lora.json", json.dumps(cfg))
+    assert cli("validate", f).returncode == 0
