@@ -82,15 +82,15 @@ def test_bf16_and_compressed_tensors_exports_load_in_transformers_with_the_same_
     assert torch.equal(a, b), (a - b).abs().max()
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4-compressed-tensors", "nvfp4-modelopt"])
-def test_lora_trains_on_the_export_of_this_training(run: dict, tmp_path: Path, fmt: str) -> None:
-    """The round trip of docs/finetune.md: NVFP4 training, `ds-nvfp4 export` in either published layout, then LoRA on
-    that folder under the unmodified PEFT + HF Trainer script on 2 ranks: every exported NVFP4 layer is a frozen
-    base packed from the folder's codes, the adapters lower the loss."""
+def test_lora_trains_on_the_export_of_this_training(run: dict, tmp_path: Path) -> None:
+    """The round trip of docs/finetune.md: NVFP4 training, `ds-nvfp4 export` in the ModelOpt layout (the
+    compressed-tensors one: tests/integrations/test_hf_lora.py and the cluster test), then LoRA on that folder
+    under the unmodified PEFT + HF Trainer script on 2 ranks: every exported NVFP4 layer is a frozen base packed from
+    the folder's codes, the adapters lower the loss."""
     from tests.integrations.hf_run import BIN, HERE, launch, lora_ds_config
     from tests.ranks import free_port
 
-    export(run["ckpt"], tmp_path / "model", fmt, "--weight-only")
+    export(run["ckpt"], tmp_path / "model", "nvfp4-modelopt", "--weight-only")
     (tmp_path / "ds.json").write_text(json.dumps(lora_ds_config(tmp_path / "model")))
     out = tmp_path / "lora"
     out.mkdir()
