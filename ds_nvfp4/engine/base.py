@@ -20,6 +20,7 @@ Three steps inside ``ds_nvfp4.initialize``:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ from ..nn import ConversionReport
 from ..nn.convert import adapter_modules
 from ..nn.module import FP4Module
 from ..nn.moe import find_moe
+from ..nn.report import PROJECTION_ROWS
 
 if TYPE_CHECKING:
     from ..zero import PackedPartitions
@@ -57,6 +59,8 @@ class BasePlan:
     #: converted weights frozen
     frozen: int = 0
     load: LoadReport | None = None
+    #: 3-D experts parameters (and biases) assembled from per-expert checkpoint tensors: name -> its value, made on call
+    experts: dict[str, Callable[[], torch.Tensor]] = field(default_factory=dict)
 
     def describe_sources(self) -> str:
         if self.checkpoint is None:
@@ -73,10 +77,11 @@ def open_base(model: nn.Module, precision: PrecisionConfig) -> BasePlan | None:
         return BasePlan(None)
     ckpt = open_nvfp4_checkpoint(base.checkpoint)
     sites = find_moe(model).sites
-    if sites:
+    if sites and base.frozen:
         raise ConfigError([Problem("precision.base.checkpoint", f"the model has MoE experts ({sites[0].name}, ...): "
-                                                                "NVFP4 MoE checkpoints (per-expert names onto fused "
-                                                                "expert parameters) are not supported yet "
+                                                                "a frozen NVFP4 MoE base packed from the checkpoint's "
+                                                                "per-expert codes is not supported yet; continued "
+                                                                "training (base.frozen false) loads it "
                                                                 "(docs/finetune.md, 'Not built yet')")])
     adapters = adapter_modules(model)
     ignored = set(ckpt.ignore)
@@ -86,6 +91,11 @@ def open_base(model: nn.Module, precision: PrecisionConfig) -> BasePlan | None:
         if isinstance(m, nn.Linear) and name not in adapters and stored not in ckpt.weights:
             why = "in its ignore list" if stored in ignored else "not quantized there"
             reasons[name] = f"the checkpoint stores it BF16 ({why}): kept BF16 as published"
+    for site in sites:  # fused experts whose per-expert tensors the checkpoint keeps BF16
+        prefix = f"{checkpoint_name(site.name)}.0."
+        if site.execution != "linears" and not any(m.startswith(prefix) for m in ckpt.weights) and any(
+                t.startswith(prefix) and t.endswith(".weight") for t in ckpt.tensors):
+            reasons[site.name] = "the checkpoint stores its experts BF16: kept BF16 as published"
     return BasePlan(ckpt, reasons)
 
 
@@ -118,8 +128,64 @@ def prepare_base(model: nn.Module, plan: BasePlan, precision: PrecisionConfig, c
             if module in ckpt.weights:
                 packed.add(names[pid])
                 plan.sources[pid] = functools.partial(ckpt.read_flat, module)
-    plan.load = load_dequantized(model, ckpt, packed=frozenset(packed), new=new)
+    plan.experts = _experts_from_checkpoint(ckpt, conversion, model)
+    plan.load = load_dequantized(model, ckpt, packed=frozenset(packed), new=new | frozenset(plan.experts))
+    for name, value in plan.experts.items():  # transformers' fused expert parameters, from the per-expert tensors
+        assign_parameter(model.get_parameter(name), value())
+        plan.load.new.remove(name)
+        plan.load.from_codes.append(name)
     conversion.notes.append(f"precision.base.checkpoint {ckpt.folder} ({ckpt.format}): {plan.load.summary()}")
+
+
+def _experts_from_checkpoint(ckpt: NVFP4Checkpoint, conversion: ConversionReport,
+                             model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
+    """Each 3-D experts parameter (and its per-expert bias) of the model assembled from the checkpoint's per-expert
+    modules (``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, as ``ds-nvfp4 export``, vLLM and llm-compressor
+    name them): quantized ones dequantized from their codes, BF16 ones as stored, each in the rows the conversion
+    recorded (``LayerDecision.projections``), transposed back where the parameter is stored ``[E, K, N]``. Each value
+    is made when called (float32, the whole parameter): once to load it, once more for the FP32 masters."""
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    params = dict(model.named_parameters())
+    for d in conversion.layers:
+        if d.kind != "experts" or not d.projections or d.name not in params:
+            continue
+        site = checkpoint_name(d.name.rpartition(".")[0])
+        if not any(f"{site}.0.{proj}" in ckpt.weights or f"{site}.0.{proj}.weight" in ckpt.tensors
+                   for proj, _ in d.projections):
+            continue  # the checkpoint stores this parameter under its own name (load_dequantized takes it)
+        out[d.name] = functools.partial(_assemble, ckpt, d, site, False)
+        if d.bias:
+            out[f"{d.name.rpartition('.')[0]}.{d.bias}"] = functools.partial(_assemble, ckpt, d, site, True)
+    return out
+
+
+def _assemble(ckpt: NVFP4Checkpoint, d, site: str, bias: bool) -> torch.Tensor:
+    """``[E, N, K]`` (``[E, K, N]`` when stored transposed) or, with ``bias``, ``[E, N]`` from the per-expert
+    tensors of ``site``."""
+    n, k = d.out_features, d.in_features
+    per = []
+    for e in range(d.experts):
+        t = torch.empty(n) if bias else torch.empty(n, k)
+        for proj, rows in d.projections:
+            module, sel = f"{site}.{e}.{proj}", PROJECTION_ROWS[rows](n)
+            if bias:
+                t[sel] = _stored(ckpt, f"{module}.bias").float()
+            else:
+                t[sel] = (ckpt.read(module).dequantize(torch.float32) if module in ckpt.weights
+                          else _stored(ckpt, f"{module}.weight").float())
+        per.append(t.t() if d.transposed and not bias else t)
+    return torch.stack(per)
+
+
+def _stored(ckpt: NVFP4Checkpoint, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    from ..checkpoint import CheckpointError
+
+    if name not in ckpt.tensors:
+        raise CheckpointError(f"{ckpt.folder}: has no tensor {name} (an expert of the model's fused experts)")
+    with safe_open(str(ckpt.tensors[name]), framework="pt") as f:
+        return f.get_tensor(name)
 
 
 def finish_base(plan: BasePlan, engine, store: PackedPartitions | None) -> None:
@@ -141,20 +207,23 @@ def finish_base(plan: BasePlan, engine, store: PackedPartitions | None) -> None:
 
     for name, p in engine.module.named_parameters():
         module = checkpoint_name(name).removesuffix(".weight")
-        if not p.requires_grad or not name.endswith(".weight") or module not in ckpt.weights:
+        experts = plan.experts.get(name)
+        if not p.requires_grad or (experts is None and (not name.endswith(".weight") or module not in ckpt.weights)):
             continue
         if hasattr(p, "ds_id"):
             n, total = int(p.partition_numel()), int(p.ds_numel)
             rank = dist.get_rank(group=p.ds_process_group)
             start, stop = min(rank * n, total), min((rank + 1) * n, total)
             local = torch.zeros(n, dtype=torch.float32)
-            local[: stop - start] = _dequantized_range(ckpt, module, start, stop)
+            local[: stop - start] = (experts().reshape(-1)[start:stop] if experts is not None
+                                     else _dequantized_range(ckpt, module, start, stop))
             if store is not None and id(p) in store.entries and not store.entries[id(p)].frozen:
                 store.set_master(p, local)
             else:
                 safe_set_local_fp32_param(p, local)
         else:
-            safe_set_full_fp32_param(p, ckpt.read(module).dequantize(torch.float32).view(p.shape))
+            safe_set_full_fp32_param(p, experts() if experts is not None
+                                     else ckpt.read(module).dequantize(torch.float32).view(p.shape))
     if store is not None and store.packed:
         store.pack_all()  # the packed partitions derive from the masters
         store.refresh_persistent()

@@ -29,15 +29,13 @@ import torch
 
 from ..checkpoint.metadata import CheckpointMetadata, LayerRecord
 from ..nn.fused import groups_by_name, share_amax
+from ..nn.report import PROJECTION_ROWS
 
 
 class ExportError(ValueError):
     """The checkpoint cannot be exported as asked (names the file, the tag or the layer)."""
 
 
-#: row selections of an expert's ``[N, K]`` matrix by name (``projections`` of the conversion report)
-_ROWS = {"all": lambda n: slice(0, n), "first_half": lambda n: slice(0, n // 2),
-         "second_half": lambda n: slice(n // 2, n), "even": lambda n: slice(0, n, 2), "odd": lambda n: slice(1, n, 2)}
 
 
 @dataclass
@@ -59,7 +57,7 @@ class Unit:
 
 
 def _expert_outputs(module: str, record: LayerRecord, e: int, rows: int) -> list[tuple[str, slice]]:
-    return [(f"{module}.{e}.{proj}", _ROWS[sel](rows)) for proj, sel in record.projections or []]
+    return [(f"{module}.{e}.{proj}", PROJECTION_ROWS[sel](rows)) for proj, sel in record.projections or []]
 
 
 def plan(sd: dict[str, torch.Tensor], meta: CheckpointMetadata

@@ -9,6 +9,13 @@ from dataclasses import asdict, dataclass, field
 _GEMM_KINDS = ("Linear", "Conv1D", "experts", "router")
 
 
+#: the rows of an expert's ``[N, K]`` matrix each per-expert module takes (``LayerDecision.projections``): gate and up
+#: are the two halves of a fused gate_up matrix, or its even and odd rows where a family interleaves them (GPT-OSS)
+PROJECTION_ROWS = {"all": lambda n: slice(0, n), "first_half": lambda n: slice(0, n // 2),
+                   "second_half": lambda n: slice(n // 2, n), "even": lambda n: slice(0, n, 2),
+                   "odd": lambda n: slice(1, n, 2)}
+
+
 @dataclass
 class LayerDecision:
     """One GEMM weight of the model: a Linear's or Conv1D's weight, or one 3-D experts parameter."""

@@ -334,3 +334,142 @@ def test_continued_training_masters_start_at_the_checkpoint_and_step_0_multiplie
         assert len(r["masters"]) == 14 and all(v is True for v in r["masters"].values()), r["masters"]
         assert r["trained"] == len(list(tiny_llama(0).parameters()))
     assert torch.equal(torch.tensor(results[0]["logits"]), reference_logits(tensors, tmp_path / "ckpt", lora=False))
+
+
+def tiny_qwen3_moe(seed: int):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64)).eval()
+
+
+def moe_folder(folder: Path, model, bf16_experts_layer: int | None = None) -> dict[str, torch.Tensor]:
+    """An NVFP4 folder of a Qwen3-MoE model as vLLM and llm-compressor name MoE checkpoints: attention NVFP4 (q/k/v
+    sharing a global scale), each expert's ``gate_proj`` / ``up_proj`` (one shared global scale) and ``down_proj``
+    NVFP4 under per-expert names, the rest (router, norms, embeddings, lm_head) BF16. Written from what Qwen3-MoE
+    stores (``gate_up_proj[e]`` is gate's rows then up's), not from ds_nvfp4's layout records; the experts of
+    ``bf16_experts_layer`` are written BF16 under the same per-expert names (a checkpoint's ignore). Returns every
+    per-expert matrix as compressed-tensors' own decompressor reads it back (BF16), by name."""
+    from compressed_tensors.compressors import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import save_file
+
+    from ds_nvfp4 import quantize
+    from ds_nvfp4.export.formats import compressed_tensors_config, nvfp4_tensors
+
+    scheme = QuantizationConfig.model_validate(compressed_tensors_config(["lm_head"])).config_groups["group_0"]
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    tensors, expect = {}, {}
+    for layer in range(2):
+        attn = f"model.layers.{layer}.self_attn"
+        amax = max(sd[f"{attn}.{p}.weight"].abs().amax() for p in ("q_proj", "k_proj", "v_proj"))
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            w = sd.pop(f"{attn}.{p}.weight")
+            tensors |= nvfp4_tensors("nvfp4-compressed-tensors", f"{attn}.{p}",
+                                     quantize(w, block="1x16", amax=amax if p != "o_proj" else None), slice(None),
+                                     None)
+        site = f"model.layers.{layer}.mlp.experts"
+        gate_up, down = sd.pop(f"{site}.gate_up_proj"), sd.pop(f"{site}.down_proj")
+        for e in range(4):
+            gate, up = gate_up[e, :32], gate_up[e, 32:]
+            shared = torch.maximum(gate.abs().amax(), up.abs().amax())
+            for name, w, a in (("gate_proj", gate, shared), ("up_proj", up, shared), ("down_proj", down[e], None)):
+                if layer == bf16_experts_layer:
+                    tensors[f"{site}.{e}.{name}.weight"] = w.to(torch.bfloat16).contiguous()
+                    expect[f"{site}.{e}.{name}"] = w.to(torch.bfloat16)
+                    continue
+                q = quantize(w.contiguous(), block="1x16", amax=a)
+                mine = nvfp4_tensors("nvfp4-compressed-tensors", f"{site}.{e}.{name}", q, slice(None), None)
+                tensors |= mine
+                expect[f"{site}.{e}.{name}"] = NVFP4PackedCompressor.decompress(
+                    {k.rpartition(".")[2]: v for k, v in mine.items()}, scheme)["weight"].to(torch.bfloat16)
+    tensors |= {k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({**model.config.to_dict(),
+                                                    "quantization_config": compressed_tensors_config(["lm_head"])}))
+    return expect
+
+
+def test_continued_training_loads_per_expert_tensors_into_transformers_fused_experts(tmp_path: Path) -> None:
+    """A MoE checkpoint with per-expert names (experts.{e}.gate_proj / up_proj / down_proj) loads into Qwen3-MoE's
+    fused ``[E, 2I, H]`` / ``[E, H, I]`` parameters: each expert's rows are its dequantized codes (in BF16, what
+    compressed-tensors' own decompressor returns); a frozen MoE base is refused with the reason (not built yet)."""
+    from ds_nvfp4.config import ConfigError, PrecisionConfig
+    from ds_nvfp4.engine.base import open_base, prepare_base
+    from ds_nvfp4.nn import convert_model
+
+    expect = moe_folder(tmp_path / "ckpt", tiny_qwen3_moe(0), bf16_experts_layer=1)
+    pc = PrecisionConfig.model_validate({"enabled": True, "weights": {"block": "1x16"},
+                                         "base": {"checkpoint": str(tmp_path / "ckpt")}})
+    model = tiny_qwen3_moe(1)
+    plan = open_base(model, pc)
+    report = convert_model(model, pc, bf16_reasons=plan.bf16_reasons)
+    prepare_base(model, plan, pc, report)
+    rows = {d.name: d for d in report.layers}
+    assert rows["model.layers.0.mlp.experts.gate_up_proj"].fp4
+    assert not rows["model.layers.1.mlp.experts.gate_up_proj"].fp4
+    assert "the checkpoint stores its experts BF16" in rows["model.layers.1.mlp.experts.gate_up_proj"].reason
+    assert sorted(plan.experts) == [f"model.layers.{i}.mlp.experts.{p}" for i in range(2)
+                                    for p in ("down_proj", "gate_up_proj")]
+    for i in range(2):
+        site = f"model.layers.{i}.mlp.experts"
+        for e in range(4):
+            gate_up = model.get_parameter(f"{site}.gate_up_proj")[e].to(torch.bfloat16)
+            assert torch.equal(gate_up, torch.cat([expect[f"{site}.{e}.gate_proj"], expect[f"{site}.{e}.up_proj"]]))
+            down = model.get_parameter(f"{site}.down_proj")[e].to(torch.bfloat16)
+            assert torch.equal(down, expect[f"{site}.{e}.down_proj"])
+    frozen = PrecisionConfig.model_validate({**pc.model_dump(), "base": {"frozen": True,
+                                                                          "checkpoint": str(tmp_path / "ckpt")}})
+    with pytest.raises(ConfigError, match="frozen NVFP4 MoE base packed from the checkpoint's per-expert codes is not "
+                                          "supported yet"):
+        open_base(tiny_qwen3_moe(1), frozen)
+
+
+def scenario_continued_moe_training(rank: int, p: dict) -> dict:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    import ds_nvfp4
+
+    tiny_qwen3_moe(0)
+    cfg = ds_config(p["folder"], frozen=False)
+    with deepspeed.zero.Init(config_dict_or_path={k: v for k, v in cfg.items() if k != "precision"}):
+        model = tiny_qwen3_moe(5)
+    engine, *_ = ds_nvfp4.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    ckpt = open_nvfp4_checkpoint(p["folder"])
+    equal = {}
+    for name, q in engine.module.named_parameters():
+        site, _, pname = name.rpartition(".")
+        if pname == "gate_up_proj":
+            want = torch.stack([torch.cat([ckpt.read(f"{site}.{e}.gate_proj").dequantize(torch.float32),
+                                           ckpt.read(f"{site}.{e}.up_proj").dequantize(torch.float32)])
+                                for e in range(4)])
+        elif pname == "down_proj" and site.endswith("experts"):
+            want = torch.stack([ckpt.read(f"{site}.{e}.down_proj").dequantize(torch.float32) for e in range(4)])
+        else:
+            continue
+        equal[name] = bool(torch.equal(safe_get_full_fp32_param(q), want))
+    batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(100 + rank))
+    losses = []
+    for _ in range(3):
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return {"equal": equal, "losses": losses}
+
+
+@pytest.mark.slow
+def test_continued_moe_training_on_two_ranks_starts_at_the_checkpoints_experts(tmp_path: Path) -> None:
+    """ZeRO-3 on 2 ranks: the FP32 masters of Qwen3-MoE's fused experts are the checkpoint's per-expert codes
+    dequantized (each rank its own range), and training runs from there."""
+    from tests.ranks import run_ranks
+
+    moe_folder(tmp_path / "ckpt", tiny_qwen3_moe(0))
+    for r in run_ranks(scenario_continued_moe_training, world_size=2, folder=str(tmp_path / "ckpt")):
+        assert len(r["equal"]) == 4 and all(r["equal"].values()), r["equal"]
+        assert r["losses"][-1] < r["losses"][0], r["losses"]
