@@ -75,6 +75,18 @@ def test_adapters_stay_bf16_by_role_and_the_base_converts() -> None:
         assert not row.fp4 and row.reason.startswith(f"an adapter of {base}")
 
 
+def train_steps(engine, rank: int, steps: int) -> list[float]:
+    """``steps`` optimizer steps on one fixed batch per rank (adapters that learn lower its loss); the losses."""
+    batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(100 + rank))
+    losses = []
+    for _ in range(steps):
+        loss = engine(input_ids=batch, labels=batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
 def _frozen_entries(engine):
     return [e for e in engine.ds_nvfp4.store.frozen]
 
@@ -271,13 +283,7 @@ def scenario_lora_on_a_frozen_bf16_base(rank: int, p: dict) -> dict:
         stored = layer.weight.detach().clone()
     want = quantize(before.float(), block="16x16").dequantize(torch.bfloat16)
     wires = {e.name: e.q.wire().clone() for e in engine.ds_nvfp4.store.frozen}
-    batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(100 + rank))
-    losses = []
-    for _ in range(4):
-        loss = engine(input_ids=batch, labels=batch).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
+    losses = train_steps(engine, rank, 4)
     return {"report": report.to_dict(), "stored_is_quantized_once": bool(torch.equal(stored, want)),
             "losses": losses, "frozen_unchanged": all(torch.equal(wires[e.name], e.q.wire())
                                                       for e in engine.ds_nvfp4.store.frozen)}
@@ -296,19 +302,25 @@ def test_a_frozen_base_without_a_checkpoint_is_packed_once_from_its_bf16_partiti
         assert r["losses"][-1] < r["losses"][0], r["losses"]
 
 
-def scenario_continued_training_from_a_checkpoint(rank: int, p: dict) -> dict:
+def continued_engine(build, folder: str):
+    """A model ``build(seed)`` made under zero.Init, then ``ds_nvfp4.initialize`` with ``base.checkpoint`` (not
+    frozen): continued training from the folder; returns the engine and the opened checkpoint."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param
 
     import ds_nvfp4
-    from ds_nvfp4.checkpoint.hf_nvfp4 import open_nvfp4_checkpoint as open_ckpt
 
-    tiny_llama(0)
-    cfg = ds_config(p["folder"], frozen=False)
+    build(0)  # transformers' lazy imports outside zero.Init
+    cfg = ds_config(folder, frozen=False)
     with deepspeed.zero.Init(config_dict_or_path={k: v for k, v in cfg.items() if k != "precision"}):
-        model = tiny_llama(5)
+        model = build(5)
     engine, *_ = ds_nvfp4.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    ckpt = open_ckpt(p["folder"])
+    return engine, open_nvfp4_checkpoint(folder)
+
+
+def scenario_continued_training_from_a_checkpoint(rank: int, p: dict) -> dict:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    engine, ckpt = continued_engine(tiny_llama, p["folder"])
     masters = {}
     for name, q in engine.module.named_parameters():
         module = name.removesuffix(".weight")
@@ -430,17 +442,9 @@ def test_continued_training_loads_per_expert_tensors_into_transformers_fused_exp
 
 
 def scenario_continued_moe_training(rank: int, p: dict) -> dict:
-    import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
-    import ds_nvfp4
-
-    tiny_qwen3_moe(0)
-    cfg = ds_config(p["folder"], frozen=False)
-    with deepspeed.zero.Init(config_dict_or_path={k: v for k, v in cfg.items() if k != "precision"}):
-        model = tiny_qwen3_moe(5)
-    engine, *_ = ds_nvfp4.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    ckpt = open_nvfp4_checkpoint(p["folder"])
+    engine, ckpt = continued_engine(tiny_qwen3_moe, p["folder"])
     equal = {}
     for name, q in engine.module.named_parameters():
         site, _, pname = name.rpartition(".")
@@ -453,13 +457,7 @@ def scenario_continued_moe_training(rank: int, p: dict) -> dict:
         else:
             continue
         equal[name] = bool(torch.equal(safe_get_full_fp32_param(q), want))
-    batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(100 + rank))
-    losses = []
-    for _ in range(3):
-        loss = engine(input_ids=batch, labels=batch).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
+    losses = train_steps(engine, rank, 3)
     return {"equal": equal, "losses": losses}
 
 
