@@ -87,11 +87,27 @@ class NVFP4Checkpoint:
         if start % BLOCK_SIZE or stop % BLOCK_SIZE or not 0 <= start <= stop <= n * k:
             raise ValueError(f"{module}: element range [{start}, {stop}) of a {n}x{k} weight is not a whole number "
                              "of 1x16 blocks inside it")
-        first, last = start // k, -(-stop // k)
-        q = self.read(module, slice(first, last))
-        at = start - first * k
+        q, at = self._rows_of(module, start, stop)
         return (q.data.reshape(-1).narrow(0, at // 2, (stop - start) // 2),
                 q.scale.reshape(-1).narrow(0, at // BLOCK_SIZE, (stop - start) // BLOCK_SIZE), q.amax)
+
+    def dequantize_flat(self, module: str, start: int, stop: int) -> torch.Tensor:
+        """float32 elements ``[start, stop)`` of ``module``'s row-major dequantized weight (any range), reading only
+        the rows it touches."""
+        q, at = self._rows_of(module, start, stop)
+        return q.dequantize(torch.float32).reshape(-1)[at: at + stop - start]
+
+    def _rows_of(self, module: str, start: int, stop: int) -> tuple[NVFP4Storage, int]:
+        """The stored rows element range ``[start, stop)`` touches, and where the range starts in them."""
+        k = self.weights[module].shape[1]
+        first = start // k
+        return self.read(module, slice(first, -(-stop // k))), start - first * k
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A tensor of the folder as stored (a BF16 layer, a bias); an error naming the folder if it has none."""
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.folder}: has no tensor {name}")
+        return _read(self.tensors[name], name)
 
 
 def open_nvfp4_checkpoint(folder: str | os.PathLike) -> NVFP4Checkpoint:
@@ -308,7 +324,6 @@ def load_dequantized(model: torch.nn.Module, ckpt: NVFP4Checkpoint, *, packed: f
     re-partitioned. ``packed``: parameter names left alone because their codes are packed straight into their
     partitions (a frozen base); ``new``: parameter names the checkpoint may lack (adapters). Any other parameter the
     checkpoint lacks, or a shape that differs, is an error naming it and the folder; nothing is changed then."""
-    from safetensors import safe_open
 
     params = dict(model.named_parameters())
     report = LoadReport()
@@ -342,8 +357,7 @@ def load_dequantized(model: torch.nn.Module, ckpt: NVFP4Checkpoint, *, packed: f
             value = ckpt.read(module).dequantize(torch.float32)
             report.from_codes.append(name)
         else:
-            with safe_open(str(file), framework="pt") as f:
-                value = f.get_tensor(stored)
+            value = ckpt.tensor(stored)
             if tuple(value.shape) != tuple(getattr(p, "ds_shape", p.shape)):
                 raise CheckpointError(f"{file}: {stored} has shape {list(value.shape)}, the model's parameter "
                                       f"{list(getattr(p, 'ds_shape', p.shape))}")

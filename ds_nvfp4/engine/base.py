@@ -169,23 +169,12 @@ def _assemble(ckpt: NVFP4Checkpoint, d, site: str, bias: bool) -> torch.Tensor:
         for proj, rows in d.projections:
             module, sel = f"{site}.{e}.{proj}", PROJECTION_ROWS[rows](n)
             if bias:
-                t[sel] = _stored(ckpt, f"{module}.bias").float()
+                t[sel] = ckpt.tensor(f"{module}.bias").float()
             else:
                 t[sel] = (ckpt.read(module).dequantize(torch.float32) if module in ckpt.weights
-                          else _stored(ckpt, f"{module}.weight").float())
+                          else ckpt.tensor(f"{module}.weight").float())
         per.append(t.t() if d.transposed and not bias else t)
     return torch.stack(per)
-
-
-def _stored(ckpt: NVFP4Checkpoint, name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    from ..checkpoint import CheckpointError
-
-    if name not in ckpt.tensors:
-        raise CheckpointError(f"{ckpt.folder}: has no tensor {name} (an expert of the model's fused experts)")
-    with safe_open(str(ckpt.tensors[name]), framework="pt") as f:
-        return f.get_tensor(name)
 
 
 def finish_base(plan: BasePlan, engine, store: PackedPartitions | None) -> None:
@@ -216,7 +205,7 @@ def finish_base(plan: BasePlan, engine, store: PackedPartitions | None) -> None:
             start, stop = min(rank * n, total), min((rank + 1) * n, total)
             local = torch.zeros(n, dtype=torch.float32)
             local[: stop - start] = (experts().reshape(-1)[start:stop] if experts is not None
-                                     else _dequantized_range(ckpt, module, start, stop))
+                                     else ckpt.dequantize_flat(module, start, stop))
             if store is not None and id(p) in store.entries and not store.entries[id(p)].frozen:
                 store.set_master(p, local)
             else:
@@ -227,11 +216,3 @@ def finish_base(plan: BasePlan, engine, store: PackedPartitions | None) -> None:
     if store is not None and store.packed:
         store.pack_all()  # the packed partitions derive from the masters
         store.refresh_persistent()
-
-
-def _dequantized_range(ckpt: NVFP4Checkpoint, module: str, start: int, stop: int):
-    """float32 elements ``[start, stop)`` of ``module``'s row-major dequantized weight, reading only their rows."""
-    k = ckpt.weights[module].shape[1]
-    first = start // k
-    rows = ckpt.read(module, slice(first, -(-stop // k))).dequantize(torch.float32).reshape(-1)
-    return rows[start - first * k: stop - first * k]

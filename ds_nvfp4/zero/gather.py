@@ -21,10 +21,8 @@ def install_gather_hooks(store: PackedPartitions) -> None:
     """Wrap the closures of every ZeRO-3 parameter of the engine's module: DeepSpeed gathers a list of parameters
     through the first one's closure, and a list may mix packed weights with parameters the storage does not hold
     (a frozen base's norms and embeddings), in a per-rank order."""
-    seen = set()
-    for p in [e.param for e in store.entries.values()] + list(store.engine.module.parameters()):
-        if hasattr(p, "ds_id") and id(p) not in seen:
-            seen.add(id(p))
+    for p in {id(p): p for p in store.engine.module.parameters()}.values():  # every entry's parameter is one
+        if hasattr(p, "ds_id"):
             wrap_closures(store, p)
 
 

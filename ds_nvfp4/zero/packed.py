@@ -314,12 +314,16 @@ class PackedPartitions:
                 self.pack_all()
 
     # ---- used by the gather hooks (zero/gather.py) ---------------------------------------------------------
+    def holds_packed(self, e: Entry) -> bool:
+        """Whether ``e``'s partition is stored packed now (trained weights outside BF16 phases; frozen ones always,
+        once packed)."""
+        return e.packable and (self.packed or e.frozen) and e.q is not None
+
     def needs(self, params) -> list[Entry]:
         out = []
         for p in params:
             e = self.entries.get(id(p))
-            if (e is not None and e.packable and (self.packed or e.frozen) and e.q is not None
-                    and p.ds_status == self.not_available):
+            if e is not None and self.holds_packed(e) and p.ds_status == self.not_available:
                 out.append(e)
         return out
 
@@ -357,7 +361,7 @@ class PackedPartitions:
                           gathered_bytes=self.gathered_bytes)
         r.frozen_source = self.frozen_source
         for e in self.entries.values():
-            if e.packable and (self.packed or e.frozen) and e.q is not None:
+            if self.holds_packed(e):
                 r.packed_params += 1
                 r.packed_bytes += e.q.nbytes
                 r.packed_bf16_equivalent_bytes += e.numel * 2
