@@ -181,6 +181,10 @@ def _base_problems(stage: Any, pc: PrecisionConfig) -> list[Problem]:
         need.append(f'precision.weights.block: "1x16", the checkpoint\'s blocks (found {_show(pc.weights.block)})')
     if pc.communication.all_gather != "nvfp4":
         need.append(f'precision.communication.all_gather: "nvfp4" (found {_show(pc.communication.all_gather)})')
+    if pc.weights.bound() != 448:
+        need.append(f"the E4M3 bound 448 the checkpoint's block scales were made with (found "
+                    f"precision.weights.scaling {_show(pc.weights.scaling)}, bound {pc.weights.bound()}: set "
+                    "scaling \"6\" or e4m3_bound 448)")
     if not need:
         return []
     return [Problem("precision.base.checkpoint", "with base.frozen true the forward multiplies the checkpoint's codes "

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..checkpoint.experts import expert_codes, experts_from_checkpoint
 from ..checkpoint.hf_nvfp4 import (
     LoadReport,
     NVFP4Checkpoint,
@@ -40,7 +41,6 @@ from ..nn import ConversionReport
 from ..nn.convert import adapter_modules
 from ..nn.module import FP4Module
 from ..nn.moe import find_moe
-from ..nn.report import PROJECTION_ROWS
 
 if TYPE_CHECKING:
     from ..zero import PackedPartitions
@@ -77,12 +77,6 @@ def open_base(model: nn.Module, precision: PrecisionConfig) -> BasePlan | None:
         return BasePlan(None)
     ckpt = open_nvfp4_checkpoint(base.checkpoint)
     sites = find_moe(model).sites
-    if sites and base.frozen:
-        raise ConfigError([Problem("precision.base.checkpoint", f"the model has MoE experts ({sites[0].name}, ...): "
-                                                                "a frozen NVFP4 MoE base packed from the checkpoint's "
-                                                                "per-expert codes is not supported yet; continued "
-                                                                "training (base.frozen false) loads it "
-                                                                "(docs/finetune.md, 'Not built yet')")])
     adapters = adapter_modules(model)
     ignored = set(ckpt.ignore)
     reasons = {}
@@ -101,6 +95,8 @@ def open_base(model: nn.Module, precision: PrecisionConfig) -> BasePlan | None:
 
 def prepare_base(model: nn.Module, plan: BasePlan, precision: PrecisionConfig, conversion: ConversionReport) -> None:
     """Step 2 (module docstring)."""
+    if plan.checkpoint is not None:
+        _check_experts_mapped(plan.checkpoint, conversion)
     layers = [m for m in model.modules() if isinstance(m, FP4Module)]
     weights = {id(p): p for m in layers for _, p, _ in m.fp4_weights()}
     names = {id(p): n for n, p in model.named_parameters()}
@@ -121,60 +117,62 @@ def prepare_base(model: nn.Module, plan: BasePlan, precision: PrecisionConfig, c
         return
     adapters = adapter_modules(model)
     new = frozenset(f"{m}.{p}" for m in adapters for p, _ in model.get_submodule(m).named_parameters(recurse=False))
-    packed = set()
+    plan.experts = experts_from_checkpoint(ckpt, conversion.layers, model)
+    packed, packed_experts = set(), set()
     if precision.base.frozen:
+        decisions = {d.name: d for d in conversion.layers if d.kind == "experts"}
         for pid in weights:
-            module = checkpoint_name(names[pid]).removesuffix(".weight")
+            name = names[pid]
+            module = checkpoint_name(name).removesuffix(".weight")
             if module in ckpt.weights:
-                packed.add(names[pid])
+                packed.add(name)
                 plan.sources[pid] = functools.partial(ckpt.read_flat, module)
-    plan.experts = _experts_from_checkpoint(ckpt, conversion, model)
+            elif name in plan.experts:
+                plan.sources[pid] = _expert_source(ckpt, decisions[name])
+                packed_experts.add(name)
     plan.load = load_dequantized(model, ckpt, packed=frozenset(packed), new=new | frozenset(plan.experts))
     for name, value in plan.experts.items():  # transformers' fused expert parameters, from the per-expert tensors
-        assign_parameter(model.get_parameter(name), value())
         plan.load.new.remove(name)
+        if name in packed_experts:  # left to the packed storage, which reads each rank's range of the codes
+            plan.load.packed.append(name)
+            continue
+        assign_parameter(model.get_parameter(name), value())
         plan.load.from_codes.append(name)
     conversion.notes.append(f"precision.base.checkpoint {ckpt.folder} ({ckpt.format}): {plan.load.summary()}")
 
 
-def _experts_from_checkpoint(ckpt: NVFP4Checkpoint, conversion: ConversionReport,
-                             model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
-    """Each 3-D experts parameter (and its per-expert bias) of the model assembled from the checkpoint's per-expert
-    modules (``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, as ``ds-nvfp4 export``, vLLM and llm-compressor
-    name them): quantized ones dequantized from their codes, BF16 ones as stored, each in the rows the conversion
-    recorded (``LayerDecision.projections``), transposed back where the parameter is stored ``[E, K, N]``. Each value
-    is made when called (float32, the whole parameter): once to load it, once more for the FP32 masters."""
-    out: dict[str, Callable[[], torch.Tensor]] = {}
-    params = dict(model.named_parameters())
+def _check_experts_mapped(ckpt: NVFP4Checkpoint, conversion: ConversionReport) -> None:
+    """An experts weight the checkpoint stores under per-expert names must have the rows each expert's projections
+    fill recorded by the conversion (transformers' experts interface); otherwise an error naming it, before any
+    parameter changes."""
     for d in conversion.layers:
-        if d.kind != "experts" or not d.projections or d.name not in params:
+        if d.kind != "experts" or d.projections:
             continue
         site = checkpoint_name(d.name.rpartition(".")[0])
-        if not any(f"{site}.0.{proj}" in ckpt.weights or f"{site}.0.{proj}.weight" in ckpt.tensors
-                   for proj, _ in d.projections):
-            continue  # the checkpoint stores this parameter under its own name (load_dequantized takes it)
-        out[d.name] = functools.partial(_assemble, ckpt, d, site, False)
-        if d.bias:
-            out[f"{d.name.rpartition('.')[0]}.{d.bias}"] = functools.partial(_assemble, ckpt, d, site, True)
-    return out
+        if not any(t.startswith(f"{site}.0.") for t in ckpt.tensors):
+            continue  # stored under the parameter's own name, or not at all (load_dequantized says which)
+        wrapped = ".base_layer." in d.name
+        why = ("PEFT wraps it (LoRA on the experts' parameters: target_modules gate_proj / up_proj / down_proj reach "
+               "transformers' fused experts through PEFT's ParamWrapper), which adds the adapter's delta to the "
+               "weight before every expert GEMM, so the stored codes cannot be multiplied as stored: target the "
+               "attention and dense projections only (e.g. target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']) "
+               "or leave the experts out of target_modules" if wrapped else
+               "the converter runs this experts module through its own forward, so it does not know which rows of "
+               f"the parameter each of the checkpoint's per-expert tensors ({site}.0.*) fills")
+        raise ConfigError([Problem("precision.base.checkpoint", f"{ckpt.folder} stores {checkpoint_name(d.name)} "
+                                                                f"per expert, but {d.name} cannot take it: {why}")])
 
 
-def _assemble(ckpt: NVFP4Checkpoint, d, site: str, bias: bool) -> torch.Tensor:
-    """``[E, N, K]`` (``[E, K, N]`` when stored transposed) or, with ``bias``, ``[E, N]`` from the per-expert
-    tensors of ``site``."""
-    n, k = d.out_features, d.in_features
-    per = []
-    for e in range(d.experts):
-        t = torch.empty(n) if bias else torch.empty(n, k)
-        for proj, rows in d.projections:
-            module, sel = f"{site}.{e}.{proj}", PROJECTION_ROWS[rows](n)
-            if bias:
-                t[sel] = ckpt.tensor(f"{module}.bias").float()
-            else:
-                t[sel] = (ckpt.read(module).dequantize(torch.float32) if module in ckpt.weights
-                          else ckpt.tensor(f"{module}.weight").float())
-        per.append(t.t() if d.transposed and not bias else t)
-    return torch.stack(per)
+def _expert_source(ckpt: NVFP4Checkpoint, d) -> FrozenSource:
+    """Where the packed storage reads a frozen 3-D experts weight's codes: the per-expert checkpoint tensors in the
+    rows the conversion recorded. Refused (naming the parameter) where the parameter is stored ``[E, K, N]``: its
+    blocks would run along N, the checkpoint's run along K, so the stored codes cannot be taken as they are."""
+    if d.transposed:
+        raise ConfigError([Problem("precision.base.frozen", f"{d.name} stores its experts transposed ([E, K, N]), so "
+                                                            "the checkpoint's 1x16 blocks (along K) cannot be packed "
+                                                            "into its partitions as stored; set precision.base.frozen "
+                                                            "false (continued training loads it dequantized)")])
+    return expert_codes(ckpt, d)
 
 
 def finish_base(plan: BasePlan, engine, store: PackedPartitions | None) -> None:
@@ -185,8 +183,9 @@ def finish_base(plan: BasePlan, engine, store: PackedPartitions | None) -> None:
     if store is not None:
         for e in store.frozen:
             if not e.packable and id(e.param) in plan.sources:
+                experts = plan.experts.get(e.name)
                 module = checkpoint_name(e.name).removesuffix(".weight")
-                assign_parameter(e.param, ckpt.read(module).dequantize())
+                assign_parameter(e.param, experts() if experts is not None else ckpt.read(module).dequantize())
     if plan.frozen:
         return
     # continued training: DeepSpeed made the FP32 masters from the BF16 parameters, i.e. the dequantized weights

@@ -17,8 +17,11 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.hf_nvfp4 import FUSED, load_dequantized, open_nvfp4_checkpoint
+from ..checkpoint.experts import experts_from_checkpoint
+from ..checkpoint.hf_nvfp4 import FUSED, assign_parameter, checkpoint_name, load_dequantized, open_nvfp4_checkpoint
 from ..format import quantize
+from ..nn.convert import expert_layouts
+from ..nn.report import PROJECTION_ROWS, LayerDecision
 from .formats import compressed_tensors_config, modelopt_config, nvfp4_tensors
 from .writer import ExportError, _replace_dir, check_out
 
@@ -56,7 +59,11 @@ def merge(base: str | os.PathLike, adapter: str | os.PathLike, out_dir: str | os
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the merged model is a new one: BF16, or quantized again below
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    load_dequantized(model, ckpt)
+    layouts = expert_layouts(model)
+    experts = experts_from_checkpoint(ckpt, layouts, model)  # MoE: per-expert tensors into the fused parameters
+    load_dequantized(model, ckpt, new=frozenset(experts))
+    for name, value in experts.items():
+        assign_parameter(model.get_parameter(name), value())
     peft_model = PeftModel.from_pretrained(model, str(adapter))
     adapted = sum(1 for n, _ in peft_model.named_modules() if n.endswith(".lora_A"))
     merged = peft_model.merge_and_unload()
@@ -68,7 +75,7 @@ def merge(base: str | os.PathLike, adapter: str | os.PathLike, out_dir: str | os
             merged.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
             summary.bf16_layers = sorted(ckpt.weights)
         else:
-            _write_nvfp4(tmp, merged, ckpt, fmt, summary)
+            _write_nvfp4(tmp, merged, ckpt, fmt, summary, {d.name: d for d in layouts if d.name in experts})
         _replace_dir(tmp, out)
     except BaseException:
         import shutil
@@ -78,23 +85,31 @@ def merge(base: str | os.PathLike, adapter: str | os.PathLike, out_dir: str | os
     return summary
 
 
-def _write_nvfp4(tmp: Path, merged: torch.nn.Module, ckpt, fmt: str, summary: MergeSummary) -> None:
+def _write_nvfp4(tmp: Path, merged: torch.nn.Module, ckpt, fmt: str, summary: MergeSummary,
+                 experts: dict[str, LayerDecision]) -> None:
     """The merged weights of the base's quantized modules re-quantized (1x16; a fused group shares the max of its
-    members' amaxes), everything else BF16, in the base's layout."""
+    members' amaxes), everything else BF16, in the base's layout; ``experts``: the fused experts parameters the base
+    stores per expert, written back under its per-expert names (each expert's gate and up share one global
+    scale)."""
     import json
 
     from safetensors.torch import save_file
 
     state = {k: v.detach() for k, v in merged.state_dict().items()}
-    amax = {m: state[f"{m}.weight"].abs().amax().float() for m in ckpt.weights}
-    for m in ckpt.weights:  # one global scale per fused inference GEMM, as the base had
+    # the per-expert modules of a MoE base are written from their fused parameters by _write_experts
+    amax = {m: state[f"{m}.weight"].abs().amax().float() for m in ckpt.weights if f"{m}.weight" in state}
+    for m in list(amax):  # one global scale per fused inference GEMM, as the base had
         parent, _, leaf = m.rpartition(".")
         for group in FUSED:
             if leaf in group:
                 peers = [f"{parent}.{g}" if parent else g for g in group]
                 amax[m] = max(amax[p] for p in peers if p in amax)
     tensors = {}
+    biases = {f"{d.name.rpartition('.')[0]}.{d.bias}": d for d in experts.values() if d.bias}
     for name, value in state.items():
+        if name in experts or name in biases:
+            _write_experts(tensors, value, experts.get(name) or biases[name], ckpt, fmt, name in biases, summary)
+            continue
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module in ckpt.weights:
             q = quantize(value.float(), block="1x16", amax=amax[module])
@@ -111,3 +126,22 @@ def _write_nvfp4(tmp: Path, merged: torch.nn.Module, ckpt, fmt: str, summary: Me
         config["quantization_config"] = compressed_tensors_config(ignore)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     summary.bf16_layers = ignore
+
+
+def _write_experts(tensors: dict, value: torch.Tensor, d: LayerDecision, ckpt, fmt: str, bias: bool,
+                   summary: MergeSummary) -> None:
+    """One fused experts parameter (``[E, N, K]``, ``[E, K, N]`` transposed) or its bias ``[E, N]`` under the base's
+    per-expert names: NVFP4 where the base stores them NVFP4 (one quantization per expert matrix), else BF16."""
+    site = checkpoint_name(d.name.rpartition(".")[0])
+    for e in range(d.experts):
+        mat = value[e] if bias or not d.transposed else value[e].t()
+        q = None if bias else quantize(mat.float().contiguous(), block="1x16")
+        for proj, rows in d.projections:
+            module, sel = f"{site}.{e}.{proj}", PROJECTION_ROWS[rows](d.out_features)
+            if bias:
+                tensors[f"{module}.bias"] = mat[sel].to(torch.bfloat16).contiguous()
+            elif module in ckpt.weights:
+                tensors |= nvfp4_tensors(fmt, module, q, sel, None)
+                summary.nvfp4_layers.append(module)
+            else:
+                tensors[f"{module}.weight"] = mat[sel].to(torch.bfloat16).contiguous()

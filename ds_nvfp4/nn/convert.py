@@ -144,6 +144,23 @@ def adapter_modules(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def expert_layouts(model: nn.Module) -> list[LayerDecision]:
+    """The rows :func:`convert_model` would record for ``model``'s 3-D experts weights (name, E, N, K, stored
+    transposed, per-expert projections and bias), without converting anything: how a published checkpoint's
+    per-expert tensors map onto the fused parameters (``ds-nvfp4 merge``). ``fp4`` is False: nothing was decided."""
+    moe, out = find_moe(model), []
+    for name, m in model.named_modules():
+        if _kind(name, m, moe) != "experts":
+            continue
+        site = moe.site_of(name)
+        for label, pname, (e, n_out, n_in), transposed in _gemm_weights(name, m, "experts", site):
+            projections, bias = _projections(m, site, pname)
+            out.append(LayerDecision(label, n_in, n_out, _numel(m.get_parameter(pname)), False, "not converted",
+                                     kind="experts", experts=e, transposed=transposed, projections=projections,
+                                     bias=bias))
+    return out
+
+
 def convert_model(model: nn.Module, precision: PrecisionConfig | dict, *, selection: Selection | None = None,
                   device=None, blocks: Blocks | None = None,
                   bf16_reasons: dict[str, str] | None = None) -> ConversionReport:

@@ -39,8 +39,9 @@ from .wire import WireFormat, wire_format
 log = logging.getLogger("ds_nvfp4")
 
 #: where a frozen weight's codes come from instead of its BF16 partition (a published checkpoint): flat element range
-#: ``[start, stop)`` of the row-major ``[N, K]`` weight -> ``(data uint8 [(stop-start)/2], scale float8_e4m3fn
-#: [(stop-start)/16], amax float32 0-dim)``, exactly as stored in 1x16 blocks
+#: ``[start, stop)`` of the row-major ``[N, K]`` (experts ``[E, N, K]``) weight -> ``(data uint8 [(stop-start)/2],
+#: scale float8_e4m3fn [(stop-start)/16], amax float32 0-dim, or [E] every expert's)``, exactly as stored in 1x16
+#: blocks
 FrozenSource = Callable[[int, int], Codes]
 
 
@@ -231,8 +232,8 @@ class PackedPartitions:
             dev = e.param.ds_tensor.device
             if id(e.param) in sources:
                 rank = self.dist.get_rank(group=e.param.ds_process_group)
-                e.q = partition_from_codes(sources[id(e.param)](rank * e.numel, (rank + 1) * e.numel), e.layout)
-                a = e.q.parts[0].amax
+                codes = sources[id(e.param)](rank * e.numel, (rank + 1) * e.numel)
+                e.q, a = partition_from_codes(codes, e.layout), codes[2]
             else:
                 a = amax[id(e.param)]
                 e.q = pack_partition(e.param.ds_tensor.data.float(), e.layout, self.block, a, scaling=self.scaling)

@@ -125,20 +125,28 @@ def pack_partition(flat: torch.Tensor, layout: PartitionLayout, block: str, amax
 
 def partition_from_codes(codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                          layout: PartitionLayout) -> PackedPartition:
-    """A partition of a 2-D weight in 1x16 blocks from codes stored elsewhere (a published checkpoint), taken as they
-    are: ``codes`` = ``(data uint8 [P/2], scale float8_e4m3fn [P/16], amax float32 0-dim)`` of the partition's flat
-    element range. The result is what :func:`pack_partition` would give for values whose quantization these codes
-    are (one segment ``[P/16, 16]``), so gathers and the forward treat it like any packed partition."""
+    """A partition in 1x16 blocks from codes stored elsewhere (a published checkpoint), taken as they are: ``codes``
+    = ``(data uint8 [P/2], scale float8_e4m3fn [P/16], amax float32)`` of the partition's flat element range, the
+    amax 0-dim for a 2-D weight and ``[E]`` (every expert's) for an experts weight. The result is what
+    :func:`pack_partition` would give for values whose quantization these codes are (one segment of rows of 16 per
+    expert the partition touches), so gathers and the forward treat it like any packed partition."""
     data, scale, amax = codes
-    if layout.experts is not None or len(layout.segments) != 1 or layout.segments[0].cols != BLOCK_SIZE:
-        raise ValueError("stored codes can only be taken for a 2-D weight in 1x16 blocks (one segment of rows of 16)")
-    seg = layout.segments[0]
-    if data.numel() * 2 != seg.numel or scale.numel() * BLOCK_SIZE != seg.numel:
-        raise ValueError(f"stored codes for {seg.numel} elements: got {data.numel()} code bytes and {scale.numel()} "
-                         f"scales, expected {seg.numel // 2} and {seg.numel // BLOCK_SIZE}")
-    return PackedPartition((NVFP4Storage(data.reshape(seg.rows, BLOCK_SIZE // 2).contiguous(),
-                                         scale.reshape(seg.rows, 1).contiguous(), amax.float().reshape(()),
-                                         torch.Size((seg.rows, BLOCK_SIZE)), "1x16", E4M3_MAX),))
+    if any(s.cols != BLOCK_SIZE for s in layout.segments) or not layout.packable:
+        raise ValueError("stored codes can only be taken for a packable partition in 1x16 blocks (rows of 16)")
+    numel = sum(s.numel for s in layout.segments)
+    if data.numel() * 2 != numel or scale.numel() * BLOCK_SIZE != numel:
+        raise ValueError(f"stored codes for {numel} elements: got {data.numel()} code bytes and {scale.numel()} "
+                         f"scales, expected {numel // 2} and {numel // BLOCK_SIZE}")
+    if tuple(amax.shape) != (() if layout.experts is None else (layout.experts,)):
+        raise ValueError(f"stored codes' amax has shape {list(amax.shape)}, the weight "
+                         f"{'one per tensor' if layout.experts is None else f'one per expert ({layout.experts})'}")
+    data, scale = data.reshape(-1), scale.reshape(-1)
+    return PackedPartition(tuple(
+        NVFP4Storage(data.narrow(0, s.start // 2, s.numel // 2).reshape(s.rows, BLOCK_SIZE // 2).contiguous(),
+                     scale.narrow(0, s.start // BLOCK_SIZE, s.rows).reshape(s.rows, 1).contiguous(),
+                     (amax if s.expert is None else amax[s.expert]).float().reshape(()).clone(),
+                     torch.Size((s.rows, BLOCK_SIZE)), "1x16", E4M3_MAX)
+        for s in layout.segments))
 
 
 def unpack_partition(q: PackedPartition, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

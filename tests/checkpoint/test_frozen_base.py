@@ -12,10 +12,22 @@ import torch
 
 from ds_nvfp4.checkpoint.hf_nvfp4 import checkpoint_name, open_nvfp4_checkpoint
 from ds_nvfp4.zero.partition import from_wire, partition_from_codes, partition_layout
-from tests.checkpoint.tiny import VOCAB, decompressed_llama, linears, llama_folder, tiny_llama
+from tests.checkpoint.tiny import (
+    VOCAB,
+    decompressed_llama,
+    decompressed_moe,
+    linears,
+    llama_folder,
+    moe_folder,
+    tiny_llama,
+    tiny_qwen3_moe,
+)
 
 PRESETS = Path(__file__).resolve().parents[2] / "ds_configs"
+#: the tiny models the 2-rank scenarios build, by name (parameters cross processes as JSON)
+BUILD = {"llama": lambda seed: tiny_llama(seed), "qwen3_moe": lambda seed: tiny_qwen3_moe(seed)}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTENTION = TARGETS[:4]
 
 
 def ds_config(folder: str | None, **base) -> dict:
@@ -26,10 +38,10 @@ def ds_config(folder: str | None, **base) -> dict:
                           "base": {"frozen": True, "checkpoint": folder, **base}}}
 
 
-def with_lora(model):
+def with_lora(model, targets: list[str] = TARGETS):
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0))
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0))
 
 
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
@@ -97,14 +109,15 @@ def scenario_lora_on_a_packed_checkpoint(rank: int, p: dict) -> dict:
     import ds_nvfp4
     from ds_nvfp4.nn.module import FP4Module
 
-    tiny_llama(0)  # transformers' lazy imports run torch._dynamo, which fails inside zero.Init's tensor patches
+    build = BUILD[p.get("model", "llama")]
+    build(0)  # transformers' lazy imports run torch._dynamo, which fails inside zero.Init's tensor patches
     cfg = ds_config(p["folder"])
     plain = {k: v for k, v in cfg.items() if k != "precision"}
 
     def engine_from_scratch(seed: int):
         with deepspeed.zero.Init(config_dict_or_path=plain):
-            model = tiny_llama(seed)
-        model = with_lora(model)
+            model = build(seed)
+        model = with_lora(model, p.get("targets", TARGETS))
         engine, *_ = ds_nvfp4.initialize(model=model, config=copy.deepcopy(cfg),
                                          model_parameters=[q for q in model.parameters() if q.requires_grad])
         return engine
@@ -179,18 +192,23 @@ def test_lora_on_a_packed_nvfp4_checkpoint_on_two_ranks(tmp_path: Path, fmt: str
     assert torch.equal(torch.tensor(results[0]["logits"]), reference_logits(tensors, tmp_path / "ckpt"))
 
 
-def reference_logits(tensors: dict, folder: Path, lora: bool = True) -> torch.Tensor:
-    """One process, no DeepSpeed: the model compressed-tensors' own decompressor gives, converted with the same
-    FP4 recipe and quantized with the checkpoint's global amaxes; float32 logits of the test's ids."""
+def reference_logits(tensors: dict, folder: Path, lora: bool = True, ref=None,
+                     targets: list[str] = TARGETS) -> torch.Tensor:
+    """One process, no DeepSpeed: the model compressed-tensors' own decompressor gives (``ref``, default the tiny
+    Llama from ``tensors``), converted with the same FP4 recipe and quantized with the checkpoint's global amaxes
+    (experts: each expert's); float32 logits of the test's ids."""
     from ds_nvfp4.nn import convert_model
 
-    ref = decompressed_llama(tensors)
-    ref = with_lora(ref) if lora else ref
+    ref = decompressed_llama(tensors) if ref is None else ref
+    ref = with_lora(ref, targets) if lora else ref
     convert_model(ref, ds_config(None)["precision"])
     ckpt = open_nvfp4_checkpoint(folder)
     for name, m in ref.named_modules():
-        if hasattr(m, "weight_codes"):
-            m.weight_codes.agreed_amax = ckpt.amax(checkpoint_name(name))
+        for pname, _, codes in m.fp4_weights() if hasattr(m, "fp4_weights") else ():
+            site = checkpoint_name(name)
+            codes.agreed_amax = (ckpt.amax(site) if pname == "weight" else torch.stack(
+                [ckpt.amax(f"{site}.{e}.{'down_proj' if pname == 'down_proj' else 'gate_proj'}")
+                 for e in range(codes.experts)]))
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         return ref(input_ids=ids).logits.float()
@@ -348,69 +366,11 @@ def test_continued_training_masters_start_at_the_checkpoint_and_step_0_multiplie
     assert torch.equal(torch.tensor(results[0]["logits"]), reference_logits(tensors, tmp_path / "ckpt", lora=False))
 
 
-def tiny_qwen3_moe(seed: int):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64)).eval()
-
-
-def moe_folder(folder: Path, model, bf16_experts_layer: int | None = None) -> dict[str, torch.Tensor]:
-    """An NVFP4 folder of a Qwen3-MoE model as vLLM and llm-compressor name MoE checkpoints: attention NVFP4 (q/k/v
-    sharing a global scale), each expert's ``gate_proj`` / ``up_proj`` (one shared global scale) and ``down_proj``
-    NVFP4 under per-expert names, the rest (router, norms, embeddings, lm_head) BF16. Written from what Qwen3-MoE
-    stores (``gate_up_proj[e]`` is gate's rows then up's), not from ds_nvfp4's layout records; the experts of
-    ``bf16_experts_layer`` are written BF16 under the same per-expert names (a checkpoint's ignore). Returns every
-    per-expert matrix as compressed-tensors' own decompressor reads it back (BF16), by name."""
-    from compressed_tensors.compressors import NVFP4PackedCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-    from safetensors.torch import save_file
-
-    from ds_nvfp4 import quantize
-    from ds_nvfp4.export.formats import compressed_tensors_config, nvfp4_tensors
-
-    scheme = QuantizationConfig.model_validate(compressed_tensors_config(["lm_head"])).config_groups["group_0"]
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    tensors, expect = {}, {}
-    for layer in range(2):
-        attn = f"model.layers.{layer}.self_attn"
-        amax = max(sd[f"{attn}.{p}.weight"].abs().amax() for p in ("q_proj", "k_proj", "v_proj"))
-        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            w = sd.pop(f"{attn}.{p}.weight")
-            tensors |= nvfp4_tensors("nvfp4-compressed-tensors", f"{attn}.{p}",
-                                     quantize(w, block="1x16", amax=amax if p != "o_proj" else None), slice(None),
-                                     None)
-        site = f"model.layers.{layer}.mlp.experts"
-        gate_up, down = sd.pop(f"{site}.gate_up_proj"), sd.pop(f"{site}.down_proj")
-        for e in range(4):
-            gate, up = gate_up[e, :32], gate_up[e, 32:]
-            shared = torch.maximum(gate.abs().amax(), up.abs().amax())
-            for name, w, a in (("gate_proj", gate, shared), ("up_proj", up, shared), ("down_proj", down[e], None)):
-                if layer == bf16_experts_layer:
-                    tensors[f"{site}.{e}.{name}.weight"] = w.to(torch.bfloat16).contiguous()
-                    expect[f"{site}.{e}.{name}"] = w.to(torch.bfloat16)
-                    continue
-                q = quantize(w.contiguous(), block="1x16", amax=a)
-                mine = nvfp4_tensors("nvfp4-compressed-tensors", f"{site}.{e}.{name}", q, slice(None), None)
-                tensors |= mine
-                expect[f"{site}.{e}.{name}"] = NVFP4PackedCompressor.decompress(
-                    {k.rpartition(".")[2]: v for k, v in mine.items()}, scheme)["weight"].to(torch.bfloat16)
-    tensors |= {k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}
-    folder.mkdir(parents=True)
-    save_file(tensors, folder / "model.safetensors")
-    (folder / "config.json").write_text(json.dumps({**model.config.to_dict(),
-                                                    "quantization_config": compressed_tensors_config(["lm_head"])}))
-    return expect
-
-
 def test_continued_training_loads_per_expert_tensors_into_transformers_fused_experts(tmp_path: Path) -> None:
     """A MoE checkpoint with per-expert names (experts.{e}.gate_proj / up_proj / down_proj) loads into Qwen3-MoE's
     fused ``[E, 2I, H]`` / ``[E, H, I]`` parameters: each expert's rows are its dequantized codes (in BF16, what
-    compressed-tensors' own decompressor returns); a frozen MoE base is refused with the reason (not built yet)."""
-    from ds_nvfp4.config import ConfigError, PrecisionConfig
+    compressed-tensors' own decompressor returns)."""
+    from ds_nvfp4.config import PrecisionConfig
     from ds_nvfp4.engine.base import open_base, prepare_base
     from ds_nvfp4.nn import convert_model
 
@@ -434,11 +394,73 @@ def test_continued_training_loads_per_expert_tensors_into_transformers_fused_exp
             assert torch.equal(gate_up, torch.cat([expect[f"{site}.{e}.gate_proj"], expect[f"{site}.{e}.up_proj"]]))
             down = model.get_parameter(f"{site}.down_proj")[e].to(torch.bfloat16)
             assert torch.equal(down, expect[f"{site}.{e}.down_proj"])
-    frozen = PrecisionConfig.model_validate({**pc.model_dump(), "base": {"frozen": True,
-                                                                          "checkpoint": str(tmp_path / "ckpt")}})
-    with pytest.raises(ConfigError, match="frozen NVFP4 MoE base packed from the checkpoint's per-expert codes is not "
-                                          "supported yet"):
-        open_base(tiny_qwen3_moe(1), frozen)
+
+
+def frozen_moe_decisions(folder: Path, bf16_experts_layer: int | None = None):
+    """The opened checkpoint and the experts rows of a tiny Qwen3-MoE converted for a frozen base from ``folder``."""
+    from ds_nvfp4.config import PrecisionConfig
+    from ds_nvfp4.engine.base import open_base
+    from ds_nvfp4.nn import convert_model
+
+    moe_folder(folder, tiny_qwen3_moe(0), bf16_experts_layer=bf16_experts_layer)
+    pc = PrecisionConfig.model_validate(ds_config(str(folder))["precision"])
+    model = tiny_qwen3_moe(1)
+    plan = open_base(model, pc)
+    report = convert_model(model, pc, bf16_reasons=plan.bf16_reasons)
+    return plan.checkpoint, [d for d in report.layers if d.kind == "experts"]
+
+
+@pytest.mark.parametrize("world", [2, 8, 512])
+def test_each_ranks_slice_of_the_per_expert_codes_gathers_to_the_fused_experts(tmp_path: Path, world: int) -> None:
+    """A frozen MoE base: every rank's ZeRO-3 range of Qwen3-MoE's fused ``[E, 2I, H]`` / ``[E, H, I]`` experts is
+    read from the checkpoint's per-expert tensors (gate's rows then up's), one segment per expert it touches with
+    that expert's global scale; gathered as the NVFP4 wire carries it, it is every expert's stored codes and
+    dequantized weight, bit for bit. 512 ranks cut rows in half (down_proj: 16 of 32 columns per rank)."""
+    from ds_nvfp4.engine.base import _expert_source
+
+    ckpt, rows = frozen_moe_decisions(tmp_path / "ckpt")
+    for d in rows:
+        assert d.fp4, d
+        site, _, pname = d.name.rpartition(".")
+        projections = ["gate_proj", "up_proj"] if pname == "gate_up_proj" else ["down_proj"]
+        shape = (d.experts, d.out_features, d.in_features)
+        part = d.experts * d.out_features * d.in_features // world
+        layouts = [partition_layout(shape, part, world, "1x16", r) for r in range(world)]
+        assert all(lay.packable for lay in layouts)
+        codes = [_expert_source(ckpt, d)(r * part, (r + 1) * part) for r in range(world)]
+        parts = [partition_from_codes(c, lay) for c, lay in zip(codes, layouts)]
+        weight, (data, scale, amax) = from_wire(torch.stack([q.wire() for q in parts]), shape, "1x16", codes[0][2])
+        # each rank's own dequantization (its segments' amaxes) is its range of the weight
+        flat = weight.reshape(-1)
+        assert all(torch.equal(q.dequantize(torch.float32), flat[r * part: (r + 1) * part])
+                   for r, q in enumerate(parts))
+        stored = [[ckpt.read(f"{site}.{e}.{proj}") for proj in projections] for e in range(d.experts)]
+        assert torch.equal(data, torch.stack([torch.cat([q.data for q in qs]) for qs in stored]))
+        assert torch.equal(scale.view(torch.uint8),
+                           torch.stack([torch.cat([q.scale.view(torch.uint8) for q in qs]) for qs in stored]))
+        assert torch.equal(amax, torch.stack([qs[0].amax for qs in stored]))
+        assert torch.equal(weight, torch.stack([torch.cat([q.dequantize(torch.float32) for q in qs])
+                                                for qs in stored]))
+
+
+def test_a_frozen_experts_weight_that_cannot_take_the_stored_codes_is_refused_by_name(tmp_path: Path) -> None:
+    """Experts stored ``[E, K, N]`` (GPT-OSS, Llama 4) would block along N, the checkpoint along K; experts the
+    checkpoint keeps BF16 have no codes: each refusal names the parameter and says what to do."""
+    import dataclasses
+
+    from ds_nvfp4.checkpoint.metadata import CheckpointError
+    from ds_nvfp4.config import ConfigError
+    from ds_nvfp4.engine.base import _expert_source
+
+    ckpt, rows = frozen_moe_decisions(tmp_path / "ckpt", bf16_experts_layer=1)
+    d = next(d for d in rows if d.name == "model.layers.0.mlp.experts.gate_up_proj")
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj stores its experts "
+                                          r"transposed .* set precision\.base\.frozen false"):
+        _expert_source(ckpt, dataclasses.replace(d, transposed=True))
+    bf16 = next(d for d in rows if d.name == "model.layers.1.mlp.experts.gate_up_proj")
+    assert not bf16.fp4 and "the checkpoint stores its experts BF16" in bf16.reason
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.0\.gate_proj is not NVFP4"):
+        _expert_source(ckpt, bf16)
 
 
 def scenario_continued_moe_training(rank: int, p: dict) -> dict:
@@ -471,3 +493,110 @@ def test_continued_moe_training_on_two_ranks_starts_at_the_checkpoints_experts(t
     for r in run_ranks(scenario_continued_moe_training, world_size=2, folder=str(tmp_path / "ckpt")):
         assert len(r["equal"]) == 4 and all(r["equal"].values()), r["equal"]
         assert r["losses"][-1] < r["losses"][0], r["losses"]
+
+
+@pytest.mark.slow
+def test_lora_on_a_frozen_moe_checkpoint_packs_the_per_expert_codes_on_two_ranks(tmp_path: Path) -> None:
+    """A frozen Qwen3-MoE base from a checkpoint with per-expert names, 2 real ranks under zero.Init with PEFT LoRA:
+    the fused experts' partitions are packed from the per-expert codes as stored (0.5625 bytes per parameter, one
+    amax per expert segment), no FP32 master outside the adapters, the first forward multiplies the codes as stored
+    (logits equal to compressed-tensors' decompressed model's, bit for bit), LoRA trains with the base unchanged and
+    a resumed run continues with the same losses."""
+    from tests.ranks import run_ranks
+
+    expect = moe_folder(tmp_path / "ckpt", tiny_qwen3_moe(0))
+    results = run_ranks(scenario_lora_on_a_packed_checkpoint, world_size=2, folder=str(tmp_path / "ckpt"),
+                        save=str(tmp_path / "save"), model="qwen3_moe", targets=ATTENTION)
+    attention = 2 * (64 * 64 * 2 + 32 * 64 * 2)
+    experts = 2 * (4 * 64 * 64 + 4 * 64 * 32)
+    for r in results:
+        rep = r["report"]
+        # this rank's half at 0.5625 bytes per parameter, an amax per attention weight and per expert segment (each
+        # rank holds 2 of the 4 experts of each fused weight)
+        assert rep["frozen_params"] == 12, rep
+        assert rep["frozen_bytes"] == (attention + experts) // 2 * 9 // 16 + 4 * 8 + 4 * 2 * 4, rep
+        assert r["trained"] and all(".lora_" in n for n in r["trained"]), r["trained"]
+        assert r["fp32"] == 2 * 8 * sum(64 + o for o in (64, 32, 32, 64)) // 2  # q/k/v/o adapters of 2 layers
+        assert r["quantizations"] == 0
+        assert r["losses"][-1] < r["losses"][0] and r["frozen_unchanged"], r["losses"]
+        assert r["resumed"] == r["losses"][3:]
+        assert any("4 weights to be packed" in n or "packed from their stored codes" in n for n in r["notes"]), r
+    assert torch.equal(torch.tensor(results[0]["logits"]),
+                       reference_logits({}, tmp_path / "ckpt", ref=decompressed_moe(expect), targets=ATTENTION))
+
+
+def test_peft_lora_on_the_fused_experts_of_a_frozen_checkpoint_base_is_refused_with_what_to_target(
+        tmp_path: Path) -> None:
+    """PEFT's ParamWrapper (target_modules gate_proj / up_proj / down_proj on transformers' fused experts) adds the
+    adapter's delta to the weight before each GEMM: the stored codes cannot be multiplied as stored. One error names
+    the parameter and the targets that work, before any parameter changes."""
+    from ds_nvfp4.config import ConfigError, PrecisionConfig
+    from ds_nvfp4.engine.base import open_base, prepare_base
+    from ds_nvfp4.nn import convert_model
+
+    moe_folder(tmp_path / "ckpt", tiny_qwen3_moe(0))
+    pc = PrecisionConfig.model_validate(ds_config(str(tmp_path / "ckpt"))["precision"])
+    model = with_lora(tiny_qwen3_moe(1))
+    plan = open_base(model, pc)
+    report = convert_model(model, pc, bf16_reasons=plan.bf16_reasons)
+    trainable = [n for n, q in model.named_parameters() if q.requires_grad]
+    with pytest.raises(ConfigError, match=r"stores model\.layers\.0\.mlp\.experts\.gate_up_proj per expert, but "
+                                          r".*experts\.base_layer\.base_layer\.gate_up_proj cannot take it: PEFT "
+                                          r"wraps it .* target_modules=\['q_proj', 'k_proj', 'v_proj', 'o_proj'\]"):
+        prepare_base(model, plan, pc, report)
+    assert [n for n, q in model.named_parameters() if q.requires_grad] == trainable
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4-compressed-tensors"])
+def test_merge_of_a_moe_base_writes_the_experts_under_the_bases_per_expert_names(tmp_path: Path, fmt: str) -> None:
+    """``ds-nvfp4 merge`` of attention adapters into a MoE base with per-expert names: the experts come from the
+    per-expert codes into transformers' fused parameters (BF16: the folder loads in transformers with each
+    expert's rows dequantized), or go back under the base's per-expert names re-quantized once per expert matrix
+    (gate and up share its global scale, as the base's did); the attention weights are base + scaling * B @ A."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from ds_nvfp4 import quantize
+
+    moe_folder(tmp_path / "ckpt", tiny_qwen3_moe(0))
+    model = with_lora(tiny_qwen3_moe(0), ATTENTION)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    model.save_pretrained(tmp_path / "adapter")
+    out = tmp_path / "merged"
+    r = subprocess.run([sys.executable, "-m", "ds_nvfp4", "merge", str(tmp_path / "ckpt"), str(tmp_path / "adapter"),
+                        str(out), "--format", fmt], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "merged 8 LoRA-adapted layers" in r.stdout, r.stderr[-2000:]
+    ckpt = open_nvfp4_checkpoint(tmp_path / "ckpt")
+    lora = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    attention = {m: ckpt.read(m).dequantize(torch.float32) + 2.0 * (lora[f"base_model.model.{m}.lora_B.weight"]
+                                                                    @ lora[f"base_model.model.{m}.lora_A.weight"])
+                 for m in ckpt.weights if ".self_attn." in m}
+    experts = {f"model.layers.{i}.mlp.experts.{e}": torch.cat([ckpt.read(f"model.layers.{i}.mlp.experts.{e}.{p}")
+                                                               .dequantize(torch.float32)
+                                                               for p in ("gate_proj", "up_proj")])
+               for i in range(2) for e in range(4)}
+    if fmt == "bf16":
+        from transformers import AutoModelForCausalLM
+
+        merged = AutoModelForCausalLM.from_pretrained(out)
+        for m, want in attention.items():
+            assert torch.equal(merged.get_submodule(m).weight, want.to(torch.bfloat16)), m
+        for site, want in experts.items():
+            fused, _, e = site.rpartition(".")
+            assert torch.equal(merged.get_parameter(f"{fused}.gate_up_proj")[int(e)], want.to(torch.bfloat16)), site
+        return
+    merged = open_nvfp4_checkpoint(out)  # validates: each expert's gate and up share one global scale
+    assert set(merged.weights) == set(ckpt.weights)
+    for site, want in experts.items():
+        q = quantize(want, block="1x16", amax=merged.amax(f"{site}.gate_proj"))  # the amax as the file holds it
+        got = torch.cat([merged.read(f"{site}.{p}").dequantize(torch.float32) for p in ("gate_proj", "up_proj")])
+        assert torch.equal(got, q.dequantize(torch.float32)), site
+    for m, want in attention.items():
+        assert torch.equal(merged.read(m).dequantize(), quantize(want, block="1x16",
+                                                                 amax=merged.amax(m)).dequantize()), m

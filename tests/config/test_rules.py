@@ -56,6 +56,12 @@ def test_a_frozen_checkpoint_base_needs_packed_1x16_nvfp4_gathers() -> None:
     assert "zero_optimization.stage" not in got[0].message
     d = cfg(weights={"block": "1x16"}, communication={"all_gather": "nvfp4"}, **frozen)
     assert errors(d) == []
+    # 4/6 decodes block scales with the bound 256: the checkpoint's (made with 448) would be read 1.75x off
+    four_six = cfg(weights={"block": "1x16", "scaling": "4over6"}, communication={"all_gather": "nvfp4"}, **frozen)
+    assert [p.path for p in errors(four_six)] == ["precision.base.checkpoint"]
+    assert 'scaling "4over6", bound 256' in errors(four_six)[0].message
+    assert errors(cfg(weights={"block": "1x16", "scaling": "4over6", "e4m3_bound": 448},
+                      communication={"all_gather": "nvfp4"}, **frozen)) == []
     d["zero_optimization"]["stage"] = 2
     paths = [p.path for p in errors(d)]
     assert "precision.base.checkpoint" in paths and any("stage: 3" in p.message for p in errors(d))

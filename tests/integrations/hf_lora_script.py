@@ -3,7 +3,7 @@ published checkpoint: the model is built from the folder's config (under ``zero.
 its weights come from the ds_config's ``precision.base.checkpoint``.
 
 ``deepspeed --num_gpus 2 hf_lora_script.py --deepspeed ds.json --base FOLDER --out DIR [--steps N]
-[--resume CHECKPOINT]``, or through launch/*.sh with ``SCRIPT=`` and ``CONFIG=`` (they pass
+[--resume CHECKPOINT] [--targets q_proj,k_proj,...]``, or through launch/*.sh with ``SCRIPT=`` and ``CONFIG=`` (they pass
 ``--deepspeed_config``). Writes the adapters (PEFT's format) to DIR/adapter and, for the test, each rank's logged
 losses, host and storage report to DIR/rank{R}.json.
 """
@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--save_steps", type=int, default=3)
     p.add_argument("--resume", default=None)
+    p.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
     p.add_argument("--local_rank", type=int, default=-1)
     args = p.parse_args()
     targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=2, max_steps=args.steps,
@@ -51,8 +52,7 @@ def main() -> None:
     config = AutoConfig.from_pretrained(args.base)
     model = AutoModelForCausalLM.from_config(config)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                             "up_proj", "down_proj"]))
+                                             target_modules=args.targets.split(",")))
     trainer = Trainer(model=model, args=targs, train_dataset=Bytes(config.vocab_size))
     trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model(str(Path(args.out) / "adapter"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint.tiny import llama_folder
+from tests.checkpoint.tiny import llama_folder, moe_folder, tiny_qwen3_moe
 from tests.integrations.hf_run import BIN, HERE, launch, lora_ds_config
 from tests.ranks import free_port
 
@@ -50,6 +50,29 @@ def test_lora_on_an_nvfp4_checkpoint_under_hf_trainer_resumes_exactly(tmp_path: 
     r = subprocess.run([sys.executable, "-m", "ds_nvfp4", "merge", str(tmp_path / "ckpt"), str(adapter),
                         str(tmp_path / "merged"), "--format", "bf16"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "merged") is not None
+
+
+def test_lora_on_a_moe_checkpoint_under_hf_trainer(tmp_path: Path) -> None:
+    """A Qwen3-MoE checkpoint with per-expert names: the fused experts packed from the per-expert codes beside the
+    attention, attention adapters train under HF Trainer, resume exactly, and merge into a folder transformers
+    loads."""
+    moe_folder(tmp_path / "ckpt", tiny_qwen3_moe(0))
+    (tmp_path / "ds.json").write_text(json.dumps(lora_ds_config(tmp_path / "ckpt")))
+    attention = ("--targets", "q_proj,k_proj,v_proj,o_proj")
+    first = _run(tmp_path, tmp_path / "a", *attention)
+    for r in first:  # 8 attention weights and 4 fused experts weights
+        assert r["report"]["frozen_params"] == 12 and "read as stored" in r["report"]["frozen_source"], r
+    losses = first[0]["losses"]
+    assert len(losses) == 6 and losses["6"] < losses["1"], losses
+    resumed = _run(tmp_path, tmp_path / "b", *attention, "--resume", str(tmp_path / "a" / "checkpoint-3"))
+    assert resumed[0]["losses"] == losses, (resumed[0]["losses"], losses)
+    r = subprocess.run([sys.executable, "-m", "ds_nvfp4", "merge", str(tmp_path / "ckpt"), str(tmp_path / "a" /
+                        "adapter"), str(tmp_path / "merged"), "--format", "bf16"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "merged 8 LoRA-adapted layers" in r.stdout, r.stderr[-2000:]
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "merged") is not None
