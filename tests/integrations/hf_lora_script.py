@@ -3,9 +3,9 @@ published checkpoint: the model is built from the folder's config (under ``zero.
 its weights come from the ds_config's ``precision.base.checkpoint``.
 
 ``deepspeed --num_gpus 2 hf_lora_script.py --deepspeed ds.json --base FOLDER --out DIR [--steps N]
-[--resume CHECKPOINT] [--targets q_proj,k_proj,...]``, or through launch/*.sh with ``SCRIPT=`` and ``CONFIG=`` (they pass
-``--deepspeed_config``). Writes the adapters (PEFT's format) to DIR/adapter and, for the test, each rank's logged
-losses, host and storage report to DIR/rank{R}.json.
+[--resume CHECKPOINT] [--targets q_proj,k_proj,...]``, or through launch/*.sh with ``SCRIPT=`` and ``CONFIG=``
+(they pass ``--deepspeed_config``). Writes the adapters (PEFT's format) to DIR/adapter and, for the test, each
+rank's logged losses, host and storage report to DIR/rank{R}.json.
 """
 
 import argparse

@@ -167,3 +167,30 @@ def test_moe_export_is_w4a4_with_each_experts_own_recorded_input_amax(runs: Path
                                     ("down_proj", "down_proj")):
                     got = float(f.get_tensor(f"{key}.{e}.{proj}.input_global_scale"))
                     assert got == pytest.approx(2688.0 / amax[f"{key}.{param}.{e}"], rel=1e-6), (key, e, proj)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4-compressed-tensors", "nvfp4-modelopt"])
+def test_lora_trains_on_the_moe_export_of_this_training(runs: Path, tmp_path: Path, fmt: str) -> None:
+    """The MoE round trip of docs/finetune.md: the Qwen3-MoE run exported by `ds-nvfp4 export` (per-expert names),
+    then LoRA on the attention under the unmodified PEFT + HF Trainer script on 2 ranks: the exported attention and
+    every fused experts parameter are a frozen base packed from the folder's codes, the adapters lower the loss."""
+    from ds_nvfp4.checkpoint.hf_nvfp4 import open_nvfp4_checkpoint
+    from tests.integrations.hf_run import HERE, launch, lora_ds_config
+    from tests.ranks import free_port
+
+    _export(runs / "qwen3_moe" / "checkpoint-6", tmp_path / "model", fmt, "--weight-only")
+    weights = open_nvfp4_checkpoint(tmp_path / "model").weights
+    sites = {m.rsplit(".", 2)[0] for m in weights if ".experts." in m}
+    frozen = len([m for m in weights if ".experts." not in m]) + 2 * len(sites)  # gate_up_proj and down_proj each
+    assert sites, sorted(weights)
+    (tmp_path / "ds.json").write_text(json.dumps(lora_ds_config(tmp_path / "model")))
+    out = tmp_path / "lora"
+    out.mkdir()
+    launch([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+            str(HERE / "hf_lora_script.py"), "--deepspeed", str(tmp_path / "ds.json"), "--base",
+            str(tmp_path / "model"), "--out", str(out), "--steps", "4", "--save_steps", "4",
+            "--targets", "q_proj,k_proj,v_proj,o_proj"], tmp_path / "log.txt")
+    for k in range(2):
+        r = json.loads((out / f"rank{k}.json").read_text())
+        assert r["report"]["frozen_params"] == frozen and "read as stored" in r["report"]["frozen_source"], r["report"]
+        assert r["losses"]["4"] < r["losses"]["1"], r["losses"]
