@@ -214,9 +214,10 @@ def reference_logits(tensors: dict, folder: Path, lora: bool = True, ref=None,
         return ref(input_ids=ids).logits.float()
 
 
-def _adapter(folder: Path, seed: int = 4) -> None:
-    """PEFT adapters of the tiny Llama with random (trained-looking) A and B, in PEFT's format."""
-    model = with_lora(tiny_llama(0))
+def _adapter(folder: Path, seed: int = 4, model=None) -> None:
+    """PEFT adapters of ``model`` (default: LoRA on the tiny Llama) with random (trained-looking) A and B, in PEFT's
+    format."""
+    model = with_lora(tiny_llama(0)) if model is None else model
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -225,13 +226,24 @@ def _adapter(folder: Path, seed: int = 4) -> None:
     model.save_pretrained(folder)
 
 
+def _merge(tmp_path: Path, fmt: str, layers: int) -> Path:
+    """``ds-nvfp4 merge tmp_path/ckpt tmp_path/adapter tmp_path/merged --format fmt``, which must say it merged
+    ``layers`` LoRA-adapted layers; the output folder."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "merged"
+    r = subprocess.run([sys.executable, "-m", "ds_nvfp4", "merge", str(tmp_path / "ckpt"), str(tmp_path / "adapter"),
+                        str(out), "--format", fmt], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and f"merged {layers} LoRA-adapted layers" in r.stdout, r.stderr[-2000:]
+    return out
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4-compressed-tensors", "nvfp4-modelopt"])
 def test_merge_writes_the_base_plus_the_adapters(tmp_path: Path, fmt: str) -> None:
     """``ds-nvfp4 merge``: every merged weight is the checkpoint's dequantized weight + scaling * B @ A (FP32, then
     BF16 or quantized again with one global scale per fused group); the folder loads in transformers (BF16) or
     validates as NVFP4 with the base's BF16 modules kept."""
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
@@ -239,10 +251,7 @@ def test_merge_writes_the_base_plus_the_adapters(tmp_path: Path, fmt: str) -> No
 
     llama_folder(tmp_path / "ckpt")
     _adapter(tmp_path / "adapter")
-    out = tmp_path / "merged"
-    r = subprocess.run([sys.executable, "-m", "ds_nvfp4", "merge", str(tmp_path / "ckpt"), str(tmp_path / "adapter"),
-                        str(out), "--format", fmt], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "merged 14 LoRA-adapted layers" in r.stdout, r.stderr[-2000:]
+    out = _merge(tmp_path, fmt, layers=14)
     ckpt = open_nvfp4_checkpoint(tmp_path / "ckpt")
     lora = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     expected = {}
@@ -553,25 +562,14 @@ def test_merge_of_a_moe_base_writes_the_experts_under_the_bases_per_expert_names
     per-expert codes into transformers' fused parameters (BF16: the folder loads in transformers with each
     expert's rows dequantized), or go back under the base's per-expert names re-quantized once per expert matrix
     (gate and up share its global scale, as the base's did); the attention weights are base + scaling * B @ A."""
-    import subprocess
-    import sys
 
     from safetensors.torch import load_file
 
     from ds_nvfp4 import quantize
 
     moe_folder(tmp_path / "ckpt", tiny_qwen3_moe(0))
-    model = with_lora(tiny_qwen3_moe(0), ATTENTION)
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    model.save_pretrained(tmp_path / "adapter")
-    out = tmp_path / "merged"
-    r = subprocess.run([sys.executable, "-m", "ds_nvfp4", "merge", str(tmp_path / "ckpt"), str(tmp_path / "adapter"),
-                        str(out), "--format", fmt], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "merged 8 LoRA-adapted layers" in r.stdout, r.stderr[-2000:]
+    _adapter(tmp_path / "adapter", model=with_lora(tiny_qwen3_moe(0), ATTENTION))
+    out = _merge(tmp_path, fmt, layers=8)
     ckpt = open_nvfp4_checkpoint(tmp_path / "ckpt")
     lora = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     attention = {m: ckpt.read(m).dequantize(torch.float32) + 2.0 * (lora[f"base_model.model.{m}.lora_B.weight"]
