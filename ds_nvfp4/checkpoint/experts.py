@@ -110,5 +110,4 @@ def read_expert_codes(ckpt: NVFP4Checkpoint, d: LayerDecision, site: str, start:
         data.append(rows_data.reshape(-1).narrow(0, skip // 2, (end - at) // 2))
         scale.append(rows_scale.reshape(-1).narrow(0, skip // BLOCK_SIZE, (end - at) // BLOCK_SIZE))
         at = end
-    empty = [torch.empty(0, dtype=torch.uint8)], [torch.empty(0, dtype=torch.float8_e4m3fn)]
-    return torch.cat(data or empty[0]), torch.cat(scale or empty[1]), amax
+    return torch.cat(data), torch.cat(scale), amax

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -316,23 +317,31 @@ class LoadReport:
 
 
 def load_dequantized(model: torch.nn.Module, ckpt: NVFP4Checkpoint, *, packed: frozenset[str] = frozenset(),
-                     new: frozenset[str] = frozenset()) -> LoadReport:
+                     new: frozenset[str] = frozenset(),
+                     experts: Mapping[str, Callable[[], torch.Tensor]] | None = None) -> LoadReport:
     """Continued training from an NVFP4 checkpoint: set every parameter of ``model`` (names as in the checkpoint,
     PEFT's wrapping aside: :func:`checkpoint_name`) to the checkpoint's values, the quantized weights dequantized
     from their stored codes (the FP32 masters then start exactly at the checkpoint's weights, so the first BF16
     forward reproduces its logits). Under ZeRO-3 (``zero.Init``) each parameter is gathered, set on every rank and
     re-partitioned. ``packed``: parameter names left alone because their codes are packed straight into their
-    partitions (a frozen base); ``new``: parameter names the checkpoint may lack (adapters). Any other parameter the
+    partitions (a frozen base); ``new``: parameter names the checkpoint may lack (adapters); ``experts``: fused MoE
+    experts parameters (and biases) the checkpoint stores per expert, name -> their assembled value
+    (``checkpoint.experts.experts_from_checkpoint``), set from it unless ``packed``. Any other parameter the
     checkpoint lacks, or a shape that differs, is an error naming it and the folder; nothing is changed then."""
 
     params = dict(model.named_parameters())
+    experts = experts or {}
     report = LoadReport()
     plan = []
     for name, p in params.items():
         shape = tuple(getattr(p, "ds_shape", p.shape))
         stored = checkpoint_name(name)
         module = stored.removesuffix(".weight")
-        if stored.endswith(".weight") and module in ckpt.weights:
+        if name in experts:
+            (report.packed if name in packed else report.from_codes).append(name)
+            if name not in packed:
+                plan.append((name, p, None, experts[name]))
+        elif stored.endswith(".weight") and module in ckpt.weights:
             want = ckpt.weights[module].shape
             if tuple(want) != shape:
                 raise CheckpointError(f"{ckpt.weights[module].file}: {module} is {list(want)} in the checkpoint, "
@@ -353,7 +362,9 @@ def load_dequantized(model: torch.nn.Module, ckpt: NVFP4Checkpoint, *, packed: f
                                   f"(shape {list(shape)})")
     for name, p, module, file in plan:
         stored = checkpoint_name(name)
-        if module is not None:
+        if callable(file):  # an experts parameter, assembled from the per-expert tensors
+            value = file()
+        elif module is not None:
             value = ckpt.read(module).dequantize(torch.float32)
             report.from_codes.append(name)
         else:
@@ -365,7 +376,9 @@ def load_dequantized(model: torch.nn.Module, ckpt: NVFP4Checkpoint, *, packed: f
         assign_parameter(p, value)
     quantized = {checkpoint_name(name).removesuffix(".weight") for name in report.from_codes + report.packed}
     stored = {checkpoint_name(name) for name in report.as_stored}
-    report.unused = sorted(t for t in ckpt.tensors if t not in stored and t.rpartition(".")[0] not in quantized)
+    sites = tuple({f"{checkpoint_name(name).rpartition('.')[0]}." for name in experts})  # their per-expert tensors
+    report.unused = sorted(t for t in ckpt.tensors if t not in stored and t.rpartition(".")[0] not in quantized
+                           and not t.startswith(sites))
     return report
 
 

@@ -118,26 +118,19 @@ def prepare_base(model: nn.Module, plan: BasePlan, precision: PrecisionConfig, c
     adapters = adapter_modules(model)
     new = frozenset(f"{m}.{p}" for m in adapters for p, _ in model.get_submodule(m).named_parameters(recurse=False))
     plan.experts = experts_from_checkpoint(ckpt, conversion.layers, model)
-    packed, packed_experts = set(), set()
+    packed = set()
     if precision.base.frozen:
         decisions = {d.name: d for d in conversion.layers if d.kind == "experts"}
         for pid in weights:
             name = names[pid]
             module = checkpoint_name(name).removesuffix(".weight")
-            if module in ckpt.weights:
+            if name in plan.experts:  # left to the packed storage, which reads each rank's range of the codes
+                plan.sources[pid] = _expert_source(ckpt, decisions[name])
+                packed.add(name)
+            elif module in ckpt.weights:
                 packed.add(name)
                 plan.sources[pid] = functools.partial(ckpt.read_flat, module)
-            elif name in plan.experts:
-                plan.sources[pid] = _expert_source(ckpt, decisions[name])
-                packed_experts.add(name)
-    plan.load = load_dequantized(model, ckpt, packed=frozenset(packed), new=new | frozenset(plan.experts))
-    for name, value in plan.experts.items():  # transformers' fused expert parameters, from the per-expert tensors
-        plan.load.new.remove(name)
-        if name in packed_experts:  # left to the packed storage, which reads each rank's range of the codes
-            plan.load.packed.append(name)
-            continue
-        assign_parameter(model.get_parameter(name), value())
-        plan.load.from_codes.append(name)
+    plan.load = load_dequantized(model, ckpt, packed=frozenset(packed), new=new, experts=plan.experts)
     conversion.notes.append(f"precision.base.checkpoint {ckpt.folder} ({ckpt.format}): {plan.load.summary()}")
 
 

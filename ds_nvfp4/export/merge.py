@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.experts import experts_from_checkpoint
-from ..checkpoint.hf_nvfp4 import FUSED, assign_parameter, checkpoint_name, load_dequantized, open_nvfp4_checkpoint
+from ..checkpoint.hf_nvfp4 import FUSED, checkpoint_name, load_dequantized, open_nvfp4_checkpoint
 from ..format import quantize
 from ..nn.convert import expert_layouts
 from ..nn.report import PROJECTION_ROWS, LayerDecision
@@ -61,9 +61,7 @@ def merge(base: str | os.PathLike, adapter: str | os.PathLike, out_dir: str | os
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     layouts = expert_layouts(model)
     experts = experts_from_checkpoint(ckpt, layouts, model)  # MoE: per-expert tensors into the fused parameters
-    load_dequantized(model, ckpt, new=frozenset(experts))
-    for name, value in experts.items():
-        assign_parameter(model.get_parameter(name), value())
+    load_dequantized(model, ckpt, experts=experts)
     peft_model = PeftModel.from_pretrained(model, str(adapter))
     adapted = sum(1 for n, _ in peft_model.named_modules() if n.endswith(".lora_A"))
     merged = peft_model.merge_and_unload()
