@@ -396,6 +396,7 @@ def test_continued_training_loads_per_expert_tensors_into_transformers_fused_exp
     assert "the checkpoint stores its experts BF16" in rows["model.layers.1.mlp.experts.gate_up_proj"].reason
     assert sorted(plan.experts) == [f"model.layers.{i}.mlp.experts.{p}" for i in range(2)
                                     for p in ("down_proj", "gate_up_proj")]
+    assert plan.load.unused == [], plan.load.unused  # every per-expert tensor went into a fused parameter
     for i in range(2):
         site = f"model.layers.{i}.mlp.experts"
         for e in range(4):
@@ -529,7 +530,8 @@ def test_lora_on_a_frozen_moe_checkpoint_packs_the_per_expert_codes_on_two_ranks
         assert r["quantizations"] == 0
         assert r["losses"][-1] < r["losses"][0] and r["frozen_unchanged"], r["losses"]
         assert r["resumed"] == r["losses"][3:]
-        assert any("4 weights to be packed" in n or "packed from their stored codes" in n for n in r["notes"]), r
+        # the 4 fused experts weights too: packed from the per-expert codes, not set from dequantized values
+        assert any("12 weights to be packed from their stored codes" in n for n in r["notes"]), r["notes"]
     assert torch.equal(torch.tensor(results[0]["logits"]),
                        reference_logits({}, tmp_path / "ckpt", ref=decompressed_moe(expect), targets=ATTENTION))
 

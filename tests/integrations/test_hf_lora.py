@@ -65,6 +65,7 @@ def test_lora_on_a_moe_checkpoint_under_hf_trainer(tmp_path: Path) -> None:
     first = _run(tmp_path, tmp_path / "a", *attention)
     for r in first:  # 8 attention weights and 4 fused experts weights
         assert r["report"]["frozen_params"] == 12 and "read as stored" in r["report"]["frozen_source"], r
+        assert any("12 weights to be packed from their stored codes" in n for n in r["notes"]), r["notes"]
     losses = first[0]["losses"]
     assert len(losses) == 6 and losses["6"] < losses["1"], losses
     resumed = _run(tmp_path, tmp_path / "b", *attention, "--resume", str(tmp_path / "a" / "checkpoint-3"))

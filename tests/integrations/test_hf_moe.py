@@ -193,4 +193,5 @@ def test_lora_trains_on_the_moe_export_of_this_training(runs: Path, tmp_path: Pa
     for k in range(2):
         r = json.loads((out / f"rank{k}.json").read_text())
         assert r["report"]["frozen_params"] == frozen and "read as stored" in r["report"]["frozen_source"], r["report"]
+        assert any(f"{frozen} weights to be packed from their stored codes" in n for n in r["notes"]), r["notes"]
         assert r["losses"]["4"] < r["losses"]["1"], r["losses"]
