@@ -2,32 +2,51 @@
 ``down_proj``, as ``ds-nvfp4 export``, vLLM and llm-compressor name them) read into transformers' fused 3-D experts
 parameters.
 
-An experts parameter is described by its conversion row (:class:`~ds_nvfp4.nn.report.LayerDecision`: ``experts``,
-``out_features`` N, ``in_features`` K, ``projections``: which rows of each expert's ``[N, K]`` matrix each
-per-expert module fills, ``transposed``, ``bias``), from ``convert_model``'s report or, without converting,
-``nn.convert.expert_layouts``. :func:`experts_from_checkpoint` assembles the dequantized values (continued training,
-``ds-nvfp4 merge``); :func:`expert_codes` reads a ZeRO-3 partition's range of the stored codes (a frozen base,
-packed as stored).
+An experts parameter is described by an :class:`ExpertLayout` (``nn.report.LayerDecision``, the conversion row, is
+one: ``experts``, ``out_features`` N, ``in_features`` K, ``projections``: which rows of each expert's ``[N, K]``
+matrix each per-expert module fills, ``transposed``, ``bias``), from ``convert_model``'s report or, without
+converting, ``nn.convert.expert_layouts``; this layer only reads those fields, so it does not import nn.
+:func:`experts_from_checkpoint` assembles the dequantized values (continued training, ``ds-nvfp4 merge``);
+:func:`expert_codes` reads a ZeRO-3 partition's range of the stored codes (a frozen base, packed as stored).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from ..format.constants import BLOCK_SIZE
-from ..nn.report import PROJECTION_ROWS, LayerDecision
 from .hf_nvfp4 import NVFP4Checkpoint, checkpoint_name
 from .metadata import CheckpointError
+
+#: the rows of an expert's ``[N, K]`` matrix each per-expert module takes (``ExpertLayout.projections``): gate and up
+#: are the two halves of a fused gate_up matrix, or its even and odd rows where a family interleaves them (GPT-OSS)
+PROJECTION_ROWS: dict[str, Callable[[int], slice]] = {
+    "all": lambda n: slice(0, n), "first_half": lambda n: slice(0, n // 2),
+    "second_half": lambda n: slice(n // 2, n), "even": lambda n: slice(0, n, 2), "odd": lambda n: slice(1, n, 2)}
+
+
+class ExpertLayout(Protocol):
+    """How one fused 3-D experts parameter maps onto per-expert modules (``nn.report.LayerDecision`` fields)."""
+
+    name: str                              # "<module>.<parameter>", e.g. "model.layers.0.mlp.experts.gate_up_proj"
+    kind: str                              # "experts" for the rows this module acts on
+    in_features: int                       # K
+    out_features: int                      # N per expert
+    experts: int | None                    # E
+    transposed: bool                       # stored [E, K, N]
+    projections: list[list[str]] | None    # [[module, rows], ...], rows a PROJECTION_ROWS key
+    bias: str | None                       # the per-expert bias parameter [E, N], if any
 
 #: ``(start, stop) -> (data uint8 [(stop-start)/2], scale float8_e4m3fn [(stop-start)/16], amax float32 [E])``
 CodesReader = Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def experts_from_checkpoint(ckpt: NVFP4Checkpoint, layouts: Iterable[LayerDecision],
+def experts_from_checkpoint(ckpt: NVFP4Checkpoint, layouts: Iterable[ExpertLayout],
                             model: nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
     """Each 3-D experts parameter (and its per-expert bias) of ``model`` assembled from the checkpoint's per-expert
     modules: quantized ones dequantized from their codes, BF16 ones as stored, each in the rows ``layouts`` record,
@@ -48,7 +67,7 @@ def experts_from_checkpoint(ckpt: NVFP4Checkpoint, layouts: Iterable[LayerDecisi
     return out
 
 
-def assemble(ckpt: NVFP4Checkpoint, d: LayerDecision, site: str, bias: bool) -> torch.Tensor:
+def assemble(ckpt: NVFP4Checkpoint, d: ExpertLayout, site: str, bias: bool) -> torch.Tensor:
     """``[E, N, K]`` (``[E, K, N]`` when stored transposed) or, with ``bias``, ``[E, N]`` from the per-expert
     tensors of ``site``."""
     n, k = d.out_features, d.in_features
@@ -66,7 +85,7 @@ def assemble(ckpt: NVFP4Checkpoint, d: LayerDecision, site: str, bias: bool) -> 
     return torch.stack(per)
 
 
-def expert_codes(ckpt: NVFP4Checkpoint, d: LayerDecision) -> CodesReader:
+def expert_codes(ckpt: NVFP4Checkpoint, d: ExpertLayout) -> CodesReader:
     """The reader of experts weight ``d``'s stored codes by flat element range (:func:`read_expert_codes`); a
     :class:`CheckpointError` naming the tensor if an expert's projection is not NVFP4 in the checkpoint."""
     site = checkpoint_name(d.name.rpartition(".")[0])
@@ -79,7 +98,7 @@ def expert_codes(ckpt: NVFP4Checkpoint, d: LayerDecision) -> CodesReader:
     return functools.partial(read_expert_codes, ckpt, d, site)
 
 
-def read_expert_codes(ckpt: NVFP4Checkpoint, d: LayerDecision, site: str, start: int, stop: int
+def read_expert_codes(ckpt: NVFP4Checkpoint, d: ExpertLayout, site: str, start: int, stop: int
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The stored codes of elements ``[start, stop)`` of the row-major ``[E, N, K]`` experts weight ``d`` (a ZeRO-3
     partition's range, multiples of 16), assembled from the per-expert tensors of ``site``: ``(data uint8

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.experts import experts_from_checkpoint
+from ..checkpoint.experts import PROJECTION_ROWS, experts_from_checkpoint
 from ..checkpoint.hf_nvfp4 import FUSED, checkpoint_name, load_dequantized, open_nvfp4_checkpoint
 from ..format import quantize
 from ..nn.convert import expert_layouts
-from ..nn.report import PROJECTION_ROWS, LayerDecision
+from ..nn.report import LayerDecision
 from .formats import compressed_tensors_config, modelopt_config, nvfp4_tensors
 from .writer import ExportError, _replace_dir, check_out
 

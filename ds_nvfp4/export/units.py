@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checkpoint.experts import PROJECTION_ROWS
 from ..checkpoint.metadata import CheckpointMetadata, LayerRecord
 from ..nn.fused import groups_by_name, share_amax
-from ..nn.report import PROJECTION_ROWS
 
 
 class ExportError(ValueError):

@@ -9,13 +9,6 @@ from dataclasses import asdict, dataclass, field
 _GEMM_KINDS = ("Linear", "Conv1D", "experts", "router")
 
 
-#: the rows of an expert's ``[N, K]`` matrix each per-expert module takes (``LayerDecision.projections``): gate and up
-#: are the two halves of a fused gate_up matrix, or its even and odd rows where a family interleaves them (GPT-OSS)
-PROJECTION_ROWS = {"all": lambda n: slice(0, n), "first_half": lambda n: slice(0, n // 2),
-                   "second_half": lambda n: slice(n // 2, n), "even": lambda n: slice(0, n, 2),
-                   "odd": lambda n: slice(1, n, 2)}
-
-
 @dataclass
 class LayerDecision:
     """One GEMM weight of the model: a Linear's or Conv1D's weight, or one 3-D experts parameter."""
@@ -30,8 +23,8 @@ class LayerDecision:
     experts: int | None = None     # E for a 3-D experts weight
     transposed: bool = False       # stored [K, N] (Conv1D; experts of classes with is_transposed)
     #: experts: how each expert's [N, K] matrix splits into the per-expert modules inference engines load,
-    #: ``[[module, rows], ...]`` with rows "all", "first_half", "second_half", "even" or "odd"; None where the
-    #: layout is not declared (experts run through their own forward)
+    #: ``[[module, rows], ...]`` with rows "all", "first_half", "second_half", "even" or "odd"
+    #: (``checkpoint.experts.PROJECTION_ROWS``); None where the layout is not declared (experts run their own forward)
     projections: list[list[str]] | None = None
     bias: str | None = None        # experts: the per-expert bias parameter ``[E, N]`` of this weight, if any
 
