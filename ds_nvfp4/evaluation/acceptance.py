@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .run_files import read_json, read_rows, run_file
+
 #: fewest paired fine-tune seeds the downstream criterion judges on
 MIN_SEEDS = 4
 
@@ -67,10 +69,9 @@ class Report:
 
 def _load(run: Path) -> tuple[dict, list[dict], dict]:
     for name in ("config.json", "metrics.jsonl", "summary.json"):
-        if not (run / name).exists():
+        if run_file(run, name) is None:
             raise CompareError(f"{run / name}: missing (is {run} a finished launch/train.py run directory?)")
-    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    return json.loads((run / "config.json").read_text()), rows, json.loads((run / "summary.json").read_text())
+    return read_json(run, "config.json"), read_rows(run), read_json(run, "summary.json")
 
 
 def _check_comparable(a: dict, b: dict, sa: dict, sb: dict, seeds_may_differ: bool = False) -> None:
@@ -390,8 +391,7 @@ def _plot(rep: Report, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    base_rows = [json.loads(ln) for ln in (Path(rep.baseline) / "metrics.jsonl").read_text().splitlines()]
-    cand_rows = [json.loads(ln) for ln in (Path(rep.candidate) / "metrics.jsonl").read_text().splitlines()]
+    base_rows, cand_rows = read_rows(Path(rep.baseline)), read_rows(Path(rep.candidate))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for rows, label, color in ((base_rows, rep.labels[0], "tab:blue"), (cand_rows, rep.labels[1], "tab:red")):
         steps = [r["step"] for r in rows]

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .acceptance import CompareError, compare
+from .run_files import read_rows
 
 #: two-sided 95% quantiles of Student's t, df = 1 .. 30 (beyond: 1.96 + 2.4/df, within 0.002 of the exact value)
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -174,8 +175,7 @@ def _final_loss(run: Path) -> float:
     fe = run / "final_eval.json"
     if fe.exists():
         return float(json.loads(fe.read_text())["val_loss"])
-    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    return float([r for r in rows if "val_loss" in r][-1]["val_loss"])
+    return float([r for r in read_rows(run) if "val_loss" in r][-1]["val_loss"])
 
 
 def write_seed_set(rep: SeedSetReport, out_dir: str | Path) -> dict[str, Path]:

@@ -89,3 +89,21 @@ def test_seeds_needed_shrinks_the_interval_past_the_threshold() -> None:
     n = seeds_needed(0.005, 0.004, 0.01, 4)
     assert n is not None and t975(n - 1) * 0.004 / n ** 0.5 < 0.005 <= t975(n - 2) * 0.004 / (n - 1) ** 0.5
     assert seeds_needed(0.01, 0.004, 0.01, 4) is None
+
+
+KEPT = sorted((Path(__file__).resolve().parents[2] / "docs" / "evidence").rglob("seedset_*/report.json"))
+
+
+@pytest.mark.parametrize("report", KEPT, ids=lambda p: str(p.parent.relative_to(p.parents[3])))
+def test_every_kept_seed_set_reproduces_from_the_kept_runs(report: Path) -> None:
+    """Each seed-set verdict in docs/evidence is re-judged from the runs kept beside it (metrics and summary
+    gzipped, as bench/keep_evidence.sh keeps them): the same pairs, gaps, interval and verdict."""
+    from ds_nvfp4.evaluation.seedset import compare_seed_sets
+
+    kept = json.loads(report.read_text())
+    root = report.parents[1]  # the report names each run by the path it was given; the run is kept beside it
+    again = compare_seed_sets([str(root / Path(p["baseline"]).name) for p in kept["pairs"]],
+                              [str(root / Path(p["candidate"]).name) for p in kept["pairs"]])
+    assert again.verdict == kept["verdict"]
+    assert [p.gap for p in again.pairs] == pytest.approx([p["gap"] for p in kept["pairs"]], abs=1e-12)
+    assert (again.mean, *again.ci) == pytest.approx((kept["mean"], *kept["ci"]), abs=1e-12)
