@@ -62,6 +62,9 @@ config_of() {
     spike_guard) echo ds_configs/nvfp4_zero3.json ;;
     # the default preset before the switch to the guard: FP4 off for the first 50 steps (the 10M fix)
     warmup50) echo bench/configs/nvfp4_zero3_bf16_warmup50.json ;;
+    # an MoE recipe candidate (issue 35): the default preset with the last 2 blocks BF16 in place of the last 15%
+    # (of moe-5m's 6 blocks: blocks 1-3 FP4, where the default has 1-4)
+    moe_last2) echo bench/configs/nvfp4_zero3_moe_last2.json ;;
     *) echo "ds_configs/${1%_seed*}.json" ;;
   esac
 }
