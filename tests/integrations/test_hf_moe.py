@@ -169,11 +169,14 @@ def test_moe_export_is_w4a4_with_each_experts_own_recorded_input_amax(runs: Path
                     assert got == pytest.approx(2688.0 / amax[f"{key}.{param}.{e}"], rel=1e-6), (key, e, proj)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4-compressed-tensors", "nvfp4-modelopt"])
-def test_lora_trains_on_the_moe_export_of_this_training(runs: Path, tmp_path: Path, fmt: str) -> None:
+def test_lora_trains_on_the_moe_export_of_this_training(runs: Path, tmp_path: Path) -> None:
     """The MoE round trip of docs/finetune.md: the Qwen3-MoE run exported by `ds-nvfp4 export` (per-expert names),
     then LoRA on the attention under the unmodified PEFT + HF Trainer script on 2 ranks: the exported attention and
-    every fused experts parameter are a frozen base packed from the folder's codes, the adapters lower the loss."""
+    every fused experts parameter are a frozen base packed from the folder's codes, the adapters lower the loss.
+    ModelOpt's layout here; the compressed-tensors MoE layout is trained under the same script by
+    tests/integrations/test_hf_lora.py::test_lora_on_a_moe_checkpoint_under_hf_trainer (one LoRA launch per layout
+    keeps the suite's time)."""
+    fmt = "nvfp4-modelopt"
     from ds_nvfp4.checkpoint.hf_nvfp4 import open_nvfp4_checkpoint
     from tests.integrations.hf_run import HERE, launch, lora_ds_config
     from tests.ranks import free_port
