@@ -49,10 +49,10 @@ def main() -> None:
     if args.families:
         for name in args.families.split(","):
             train(args, str(Path(args.out) / name), str(Path(args.model_dir) / name))
-        # Not a user's script here (several engines in one process, a test's convenience): left to interpreter exit,
-        # the process groups of five DeepSpeed engines were torn down in an order that aborted the process
-        # ("terminate called without an active exception") in about 1 run of 3 on 2 busy cores, after every
-        # family had trained and written its output; tearing them down while the interpreter is whole does not
+        # Not a user's script here (several engines in one process, a test's convenience). Left to interpreter exit,
+        # this process aborted ("terminate called without an active exception", after every family had trained and
+        # written its output) in 3 of about 9 runs under a full test suite beside a training run, and in none of 6
+        # on less busy cores; the process groups are torn down here, while the interpreter is whole, as torch asks
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
             torch.distributed.destroy_process_group()
