@@ -14,7 +14,7 @@ need_cmd mpirun "apt-get install openmpi-bin"
 check_ssh "$HOSTFILE"
 iface=${GLOO_SOCKET_IFNAME:-${NCCL_SOCKET_IFNAME:-}}
 check_iface "$iface" "$HOSTFILE"
-env_check_local
+env_check_hosts "$HOSTFILE"
 master=$(hosts_of "$HOSTFILE" | head -n 1)
 # Open MPI as root needs --allow-run-as-root; pick the interface ourselves (DeepSpeed would add eth0, which may not
 # exist: two hosts then crash in MPI_Bcast)

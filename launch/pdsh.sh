@@ -19,10 +19,7 @@ grep -q -E '^\s*$' "$DS_ENV_FILE" && die "DS_ENV_FILE=$DS_ENV_FILE has a blank l
 export DS_ENV_FILE
 echo "environment for the ranks ($DS_ENV_FILE):"
 sed 's/^/  /' "$DS_ENV_FILE"
-for h in $(hosts_of "$HOSTFILE"); do   # the environment check on every node, before training starts
-  timeout 300 ssh -o BatchMode=yes "$h" "cd $REPO && $BIN/ds-nvfp4 env --config $CONFIG" \
-    || die "ds-nvfp4 env says $CONFIG cannot run on $h"
-done
+env_check_hosts "$HOSTFILE"   # the environment check on every node at once, before training starts
 port=${MASTER_PORT:-$(free_port)}
 cmd=("$BIN/deepspeed" --hostfile "$HOSTFILE" --master_port "$port" "$SCRIPT" --deepspeed_config "$CONFIG" "$@")
 [ -n "${NUM_GPUS:-}" ] && cmd=("$BIN/deepspeed" --hostfile "$HOSTFILE" --num_gpus "$NUM_GPUS" --master_port "$port"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 from pathlib import Path
 
@@ -96,6 +97,13 @@ def check_two_hosts(out: Path, log: str, per_host: int = 1) -> list[dict]:
     return ranks
 
 
+def env_checked_on_both_hosts(log: str) -> None:
+    """`ds-nvfp4 env --config` ran on each host before training: the first host's whole report, the other's verdict."""
+    assert re.search(r"^n1: \s+kernels?\b", log, re.M), log[-3000:]
+    assert re.search(r"^n1: \s+config .*: OK: runs here", log, re.M) and re.search(r"^n2: config .*: OK: runs here",
+                                                                                log, re.M), log[-3000:]
+
+
 # -- the four launch paths --------------------------------------------------------------------------------------
 
 def test_pdsh_hostfile(cluster: Cluster, data: Path) -> None:
@@ -105,6 +113,7 @@ def test_pdsh_hostfile(cluster: Cluster, data: Path) -> None:
     check_two_hosts(out, log)
     assert "n1: " in log and "n2: " in log  # pdsh prefixes every remote line with its host
     assert "GLOO_SOCKET_IFNAME=dsnv0" in log  # the generated .deepspeed_env is shown
+    env_checked_on_both_hosts(log)
 
 
 def test_lora_on_an_nvfp4_checkpoint_across_two_hosts(cluster: Cluster, tmp_path: Path) -> None:
@@ -149,6 +158,7 @@ def test_openmpi_launcher(cluster: Cluster, data: Path) -> None:
                      HOSTFILE=str(cluster.root / "hostfile"))
     check_two_hosts(out, log)
     assert "--launcher openmpi" in log
+    env_checked_on_both_hosts(log)
 
 
 def test_plain_mpirun_with_mpi4py_discovery(cluster: Cluster, data: Path) -> None:
@@ -227,6 +237,23 @@ def test_unreachable_host_and_missing_interface(cluster: Cluster, tmp_path: Path
     assert "host 'n9' is unreachable by passwordless ssh" in err
     err = fails(h, "bash launch/pdsh.sh", HOSTFILE=str(cluster.root / "hostfile"), GLOO_SOCKET_IFNAME="ib7")
     assert "interface 'ib7' not found on host 'n1'" in err
+
+
+def test_a_host_that_cannot_run_the_config_stops_the_job_naming_it(cluster: Cluster, tmp_path: Path) -> None:
+    """The environment check runs on every host (at once) before anything starts; a ds_config that cannot run (a
+    native FP4 backend on a CPU) stops the job with one error line per host and that host's whole report."""
+    config = json.loads((ROOT / "ds_configs" / "nvfp4_zero3.json").read_text())
+    config["precision"]["kernel"] = "torch"
+    bad = tmp_path / "native.json"
+    bad.write_text(json.dumps(config))
+    for script in ("pdsh.sh", "openmpi.sh"):
+        r = cluster.hosts[0].run(f"cd {ROOT} && bash launch/{script}", timeout=120, env=job_env(
+            HOSTFILE=str(cluster.root / "hostfile"), CONFIG=str(bad)))
+        assert r.returncode == 1, (script, r.stdout[-3000:], r.stderr[-3000:])
+        for host in ("n1", "n2"):
+            assert f"error: ds-nvfp4 env says {bad} cannot run on {host}" in r.stderr, (script, r.stderr)
+            assert re.search(rf"^{host}: \s+config .*CANNOT RUN", r.stdout, re.M), (script, r.stdout[-3000:])
+        assert "running:" not in r.stdout, script  # nothing was launched
 
 
 def test_slurm_script_outside_an_allocation(cluster: Cluster) -> None:
