@@ -232,9 +232,10 @@ def epilogue(acc: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
     """The emulated GEMM's epilogue: ``(dtype(float32(acc) * alpha [+ float32(bias)]), any output non-finite)``.
 
     ``acc`` [M, N] is the library's accumulator (float32, or bfloat16 where the library rounds it once), ``alpha``
-    the float32 0-dim product of the per-tensor decode scales. One pass instead of four on CPU.
+    the float32 0-dim product of the per-tensor decode scales, or float32 ``[M]``, each row's own (a grouped GEMM,
+    whose groups have their own scales). One pass instead of four on CPU.
     """
-    out = acc.to(_F32) * alpha
+    out = acc.to(_F32) * (alpha.unsqueeze(1) if alpha.dim() == 1 else alpha)
     if bias is not None:
         out = out + bias.to(_F32)
     out = out.to(dtype)

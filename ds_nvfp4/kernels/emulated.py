@@ -53,12 +53,28 @@ def grouped_linear_acc(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, 
     :func:`_kernels.epilogue`). Rows past ``offsets[-1]`` are 0.
 
     One host read of the offsets, then per group one GEMM (:func:`matmul_acc`, the per-expert path's very GEMM, so
-    FP32 operands are bit-exact) and its epilogue in one pass (C++ on CPU): on CPU oneDNN's GEMM is faster than
-    torch's grouped_mm, which is itself a loop of GEMMs there (bench/experts.py)."""
+    FP32 operands are bit-exact) written into one accumulator, and one epilogue pass over all rows with each row's
+    group's alpha (C++ on CPU; per group when there is a bias or the GEMM returns another dtype, as CUDA's float32
+    accumulator does): on CPU oneDNN's GEMM is faster than torch's grouped_mm, which is itself a loop of GEMMs there
+    (bench/experts.py), and one epilogue over a fixed [M, N] costs one pass where per-group ones cost a copy each."""
+    ends = offsets.tolist()
+    if bias is None and not (a.dtype == torch.bfloat16 and a.is_cuda and _cuda_mm_out_dtype()):
+        acc = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+        start = 0
+        for g, end in enumerate(ends):
+            if end > start:
+                torch.mm(a[start:end], b[g].t(), out=acc[start:end])
+            start = end
+        counts = torch.diff(offsets.to(torch.int64), prepend=offsets.new_zeros(1, dtype=torch.int64))
+        rows_alpha = torch.repeat_interleave(alpha.to(torch.float32), counts, output_size=start)
+        if start < a.shape[0]:  # rows routed nowhere: 0, whatever the library left there
+            acc[start:] = 0
+            rows_alpha = torch.cat([rows_alpha, rows_alpha.new_ones(a.shape[0] - start)])
+        return _kernels.epilogue(acc, rows_alpha, None, out_dtype)
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     bad = torch.zeros((), dtype=torch.bool, device=a.device)
     start = 0
-    for g, end in enumerate(offsets.tolist()):
+    for g, end in enumerate(ends):
         if end > start:
             part, flag = _kernels.epilogue(matmul_acc(a[start:end], b[g].t()), alpha[g],
                                            None if bias is None else bias[g], out_dtype)

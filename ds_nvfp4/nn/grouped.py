@@ -31,6 +31,13 @@ GroupedCodes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def quantize_experts(weight: torch.Tensor, recipe: Recipe, amax: torch.Tensor | None = None) -> GroupedCodes:
     """Every expert of ``weight [E, N, K]`` quantized with the recipe's weight block, each with its own amax (or
     ``amax [E]``), in one call (4/6 scaling: one call per expert): bit for bit ``quantize(weight[e], amax=amax[e])``."""
+    return _quantize_experts(weight, recipe, amax, None)[0]
+
+
+def _quantize_experts(weight: torch.Tensor, recipe: Recipe, amax: torch.Tensor | None,
+                      values_dtype: torch.dtype | None) -> tuple[GroupedCodes, torch.Tensor | None]:
+    """:func:`quantize_experts` and, with ``values_dtype``, the GEMM operand values ``[E*N, K]`` the same pass
+    computed (the forward then skips decoding them again from the codes; None for 4/6 scaling)."""
     e, n, k = weight.shape
     w = hadamard(weight) if recipe.act_hadamard else weight
     if recipe.act_hadamard:
@@ -39,21 +46,25 @@ def quantize_experts(weight: torch.Tensor, recipe: Recipe, amax: torch.Tensor | 
         parts = [quantize(w[i], block=recipe.weight_block, amax=None if amax is None else amax[i].reshape(()),
                           scaling=recipe.weight) for i in range(e)]
         return (torch.stack([q.data for q in parts]), torch.stack([q.scale for q in parts]),
-                torch.stack([q.amax for q in parts]))
+                torch.stack([q.amax for q in parts])), None
     rows = torch.arange(e, device=w.device).repeat_interleave(n)
     from ..format.grouped import quantize_grouped
 
-    _, used, data, scale = quantize_grouped(w.reshape(e * n, k), rows, e, block=recipe.weight_block, amax=amax,
-                                            keep_codes=True)
-    return data.view(e, n, k // 2), scale.view(e, -1, k // BLOCK_SIZE), used
+    values, used, data, scale = quantize_grouped(w.reshape(e * n, k), rows, e, block=recipe.weight_block, amax=amax,
+                                                 dtype=values_dtype or torch.bfloat16, keep_codes=True)
+    return (data.view(e, n, k // 2), scale.view(e, -1, k // BLOCK_SIZE), used), \
+        (values if values_dtype is not None else None)
 
 
-def _weight_operand(backend, codes: GroupedCodes, recipe: Recipe) -> GroupedOperand:
+def _weight_operand(backend, codes: GroupedCodes, recipe: Recipe, values: torch.Tensor | None = None
+                    ) -> GroupedOperand:
+    """The experts' weight as the backend's grouped operand; ``values``: the operand values ``[E*N, K]`` when the
+    quantizer just computed them (else decoded from the codes here, as for codes cached or gathered)."""
     data, scale, amax = codes
     e, n, half = data.shape
     flat_data, flat_scale = data.reshape(e * n, half), scale.reshape(-1, scale.shape[-1])
-    values = _kernels.block_values(flat_data, flat_scale, recipe.weight_block,
-                                   backend.operand_dtype(data.device)) if hasattr(backend, "operand_dtype") else None
+    if values is None and hasattr(backend, "operand_dtype"):
+        values = _kernels.block_values(flat_data, flat_scale, recipe.weight_block, backend.operand_dtype(data.device))
     return GroupedOperand(amax, flat_scale, flat_data, values, recipe.weight_block)
 
 
@@ -75,7 +86,11 @@ class _GroupedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, offsets, row_group, recipe: Recipe, weight_amax, cached, out_dtype):
         with _no_autocast(x):
             backend = get_backend(recipe.kernel)
-            codes = cached if cached is not None else quantize_experts(weight.detach(), recipe, weight_amax)
+            # the emulated grouped GEMM multiplies operand values: the quantizer's own, when it runs here
+            want = backend.operand_dtype(x.device) if backend.grouped and recipe.forward_gemm != "bf16" \
+                and hasattr(backend, "operand_dtype") else None
+            codes, w_values = (cached, None) if cached is not None else \
+                _quantize_experts(weight.detach(), recipe, weight_amax, want)
             e = weight.shape[0]
             xin = hadamard(x) if recipe.act_hadamard else x
             if recipe.forward_gemm == "bf16":  # the schedule's late switch: BF16 Fprop, the FP4 backward keeps codes
@@ -87,7 +102,7 @@ class _GroupedLinear(torch.autograd.Function):
                 bad = ~torch.isfinite(out).all()
             elif backend.grouped:
                 xo = backend.quantize_grouped(xin.contiguous(), row_group, e, block="1x16")
-                out, bad = backend.grouped_linear(xo, _weight_operand(backend, codes, recipe), offsets, bias,
+                out, bad = backend.grouped_linear(xo, _weight_operand(backend, codes, recipe, w_values), offsets, bias,
                                                   out_dtype)
                 x_amax = _group_absmax(x, row_group, e) if recipe.act_hadamard else xo.amax
             else:  # a backend without a grouped GEMM: one FP4 GEMM per expert, one host read of the offsets

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ds_nvfp4
-from ds_nvfp4.format import _compile, _cpu_ext
+from ds_nvfp4.format import _compile, _cpu_ext, _kernels
 
 
 def test_no_format_kernel_fell_back() -> None:
@@ -32,4 +32,11 @@ def test_no_format_kernel_fell_back() -> None:
             for out in (torch.bfloat16, torch.float32):  # the fused quantize -> GEMM operand pass
                 ds_nvfp4.quantize_values(x, block=block, dtype=out)
                 ds_nvfp4.quantize_values(x, block=block, dtype=out, keep_codes=True)
+    # the GEMM epilogue: one alpha (a GEMM) and one per row (a grouped GEMM), BF16 and FP32 accumulators
+    for acc_dtype in (torch.bfloat16, torch.float32):
+        acc = torch.randn(64, 48).to(acc_dtype)
+        for alpha in (torch.tensor(0.37), torch.rand(64)):
+            for out in (torch.bfloat16, torch.float32):
+                _kernels.epilogue(acc, alpha, None, out)
+                _kernels.epilogue(acc, alpha, torch.randn(48), out)
     assert _compile.status() == {}, _compile.status()

@@ -12,7 +12,7 @@ import torch
 
 from ds_nvfp4.nn import Recipe, convert_model
 from ds_nvfp4.nn.grouped import grouped_fp4_linear
-from tests.nn.test_linear import fp32_operands  # noqa: F401  (the bit-exact emulation, a fixture)
+from tests.nn.test_linear import bf16_operands, fp32_operands  # noqa: F401  (operand modes, fixtures)
 from tests.reference import ref_fp4_gemm
 
 BLOCK = "16x16"  # the default weight block
@@ -52,6 +52,38 @@ def test_grouped_linear_is_each_experts_fp4_linear(backward: str, fp32_operands)
     torch.cat(parts).backward(grad)
     assert not bad and torch.equal(out, torch.cat(parts))
     assert torch.equal(got[0], x.grad) and torch.equal(got[1], w.grad) and torch.equal(got[2], b.grad)
+
+
+@pytest.mark.parametrize("operands", ["fp32", "bf16"])
+def test_grouped_linear_without_bias_is_each_experts_fp4_linear(operands: str, request) -> None:
+    """Without a bias the grouped GEMM writes every expert's accumulator into one matrix and runs one epilogue with
+    each row's expert's alpha: the same bits as each expert's own FP4 Linear (its own GEMM and epilogue), with BF16
+    operands (oneDNN's BF16 result, this CPU's default) as with FP32 ones; empty experts first, inside and last."""
+    from ds_nvfp4.nn.ops import fp4_linear
+
+    request.getfixturevalue(f"{operands}_operands")
+    torch.manual_seed(1)
+    e, n, k, sizes = 6, 48, 64, [0, 7, 0, 33, 16, 0]
+    w = torch.randn(e, n, k).to(torch.bfloat16).requires_grad_()
+    x = (torch.randn(sum(sizes), k) * torch.logspace(-2, 2, sum(sizes)).unsqueeze(1)).to(torch.bfloat16)
+    x.requires_grad_()
+    offsets = torch.tensor(sizes).cumsum(0)
+    recipe = Recipe(weight_block=BLOCK)
+    out, _, bad, _ = grouped_fp4_linear(x, w, None, offsets, recipe)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    got = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    start, parts = 0, []
+    for g, end in enumerate(offsets.tolist()):
+        if end > start:
+            parts.append(fp4_linear(x[start:end], w[g], None, recipe))
+        start = end
+    want = torch.cat(parts)
+    want.backward(grad)
+    assert out.dtype == want.dtype == torch.bfloat16 and not bad
+    assert torch.equal(out, want)
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], w.grad)
 
 
 def _ref_experts(m, hidden, idx, weights, gate_up, down, gate_up_bias=None, down_bias=None):

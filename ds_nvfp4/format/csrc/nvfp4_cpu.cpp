@@ -648,12 +648,17 @@ static unsigned epilogue_row(const In* __restrict acc, Out* __restrict out, cons
 
 // The GEMM epilogue of the emulation: out = cast(float(acc) * alpha [+ float(bias)]) in that order (no FMA: the
 // extension is built with -ffp-contract=off), and whether any output is NaN/Inf (the layer's non-finite flag).
+// alpha: float32 0-dim (one GEMM), or [M], one per row (a grouped GEMM: each row's group's alpha).
 std::vector<torch::Tensor> epilogue(torch::Tensor acc, torch::Tensor alpha, c10::optional<torch::Tensor> bias,
                                     bool bf16_out) {
   TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous(), "acc: contiguous [M, N]");
   TORCH_CHECK(acc.scalar_type() == torch::kBFloat16 || acc.scalar_type() == torch::kFloat32, "acc: bf16 or f32");
+  TORCH_CHECK(alpha.scalar_type() == torch::kFloat32, "alpha: float32");
   const int64_t m = acc.size(0), n = acc.size(1);
-  const float a = alpha.contiguous().data_ptr<float>()[0];
+  const bool per_row = alpha.dim() == 1;
+  TORCH_CHECK(alpha.dim() == 0 || (per_row && alpha.numel() == m), "alpha: 0-dim or [M]");
+  const torch::Tensor alpha_c = alpha.contiguous();
+  const float* alpha_p = alpha_c.data_ptr<float>();
   torch::Tensor bias_f;
   const float* bp = nullptr;
   if (bias.has_value()) {
@@ -671,6 +676,7 @@ std::vector<torch::Tensor> epilogue(torch::Tensor acc, torch::Tensor alpha, c10:
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     unsigned local_bad = 0;
     for (int64_t r = r0; r < r1; ++r) {
+      const float a = alpha_p[per_row ? r : 0];
       if (in_bf16 && bf16_out) local_bad |= epilogue_row(ab + r * n, ob + r * n, bp, a, n);
       else if (in_bf16) local_bad |= epilogue_row(ab + r * n, of + r * n, bp, a, n);
       else if (bf16_out) local_bad |= epilogue_row(af + r * n, ob + r * n, bp, a, n);
