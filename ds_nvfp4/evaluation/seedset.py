@@ -113,6 +113,21 @@ def _by_seed(runs: list[str], role: str) -> dict[int, Path]:
     return out
 
 
+def _precision(config: dict) -> dict | None:
+    """A run's recorded precision section with the fields added to the schema since the run filled in with their
+    defaults (``precision.base`` arrived after runs of a set had been kept: absent there, the default in newer
+    runs, the same training). A section the current schema rejects is compared as recorded."""
+    from ..config.schema import PrecisionConfig
+
+    recorded = config.get("precision")
+    if recorded is None:
+        return None
+    try:
+        return PrecisionConfig.model_validate(recorded).model_dump(mode="json")
+    except ValueError:
+        return recorded
+
+
 def _same(runs: list[Path], what: str, get) -> None:
     """Every run agrees on ``get(config)``, or CompareError naming the first that does not."""
     first = get(_config(runs[0]))
@@ -137,8 +152,8 @@ def compare_seed_sets(baselines: list[str], candidates: list[str], loss_gap: flo
     _same(every, "the fixed final evaluation", lambda c: c.get("final_eval"))
     _same(every, "model", lambda c: c["model"])
     _same(every, "--steps", lambda c: c["args"]["steps"])
-    _same(list(base.values()), "precision", lambda c: c.get("precision"))
-    _same(list(cand.values()), "precision", lambda c: c.get("precision"))
+    _same(list(base.values()), "precision", _precision)
+    _same(list(cand.values()), "precision", _precision)
     pairs, notes = [], []
     for seed in sorted(base):
         rep = compare(base[seed], cand[seed], loss_gap)

@@ -85,6 +85,30 @@ def test_seed_sets_that_cannot_be_judged_are_refused(tmp_path: Path) -> None:
     assert r.returncode == 2 and "not both" in r.stderr
 
 
+def _set_precision(run_dir: str, precision: dict) -> None:
+    path = Path(run_dir) / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["precision"] = precision
+    path.write_text(json.dumps(cfg))
+
+
+def test_a_precision_section_recorded_before_a_schema_field_existed_is_the_same_precision(tmp_path: Path) -> None:
+    """A run kept before ``precision.base`` existed records no ``base``; a newer run of the same recipe records its
+    default. Both are one precision (the set is judged); a real difference in the recipe is still refused."""
+    from ds_nvfp4.config.schema import PrecisionConfig
+
+    base, cand = _set(tmp_path, [0.002, 0.004, 0.003])
+    newer = PrecisionConfig(enabled=True).model_dump(mode="json")
+    older = {k: v for k, v in newer.items() if k != "base"}
+    _set_precision(cand[0], older)
+    _set_precision(cand[1], newer)
+    r = run("--baselines", *base, "--candidates", *cand, "--out", str(tmp_path / "rep"))
+    assert r.returncode == 0, r.stderr
+    _set_precision(cand[2], {**newer, "modules": {**newer["modules"], "keep_last_blocks_bf16": 2}})
+    r = run("--baselines", *base, "--candidates", *cand)
+    assert r.returncode == 2 and "differ in precision" in r.stderr, r.stderr
+
+
 def test_seeds_needed_shrinks_the_interval_past_the_threshold() -> None:
     n = seeds_needed(0.005, 0.004, 0.01, 4)
     assert n is not None and t975(n - 1) * 0.004 / n ** 0.5 < 0.005 <= t975(n - 2) * 0.004 / (n - 1) ** 0.5
