@@ -26,19 +26,38 @@ def samples(fn: Callable[[], object], repeats: int, warmup: int = 2) -> list[flo
     return times
 
 
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Wall seconds of ``repeats`` rounds in which every function runs once, the order rotated each round.
+
+    On a shared machine the speed drifts by tens of percent over a minute; timing the rows one after another puts
+    that drift into their ratio. Interleaved, each round's calls see the same machine, so the ratio of a row to the
+    baseline *within a round* (:func:`report` keeps them) carries far less of it."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     return statistics.median(samples(fn, repeats, warmup))
 
 
-def fwd_bwd_samples(module, x, grad, repeats: int, *args) -> list[float]:
-    """Seconds of ``module(x, *args).backward(grad)`` with fresh input and parameter gradients each call."""
+def fwd_bwd(module, x, grad, *args) -> Callable[[], None]:
+    """One call of ``module(x, *args).backward(grad)`` with fresh input and parameter gradients."""
 
     def once() -> None:
         xi = x.detach().requires_grad_()
         module.zero_grad(set_to_none=True)
         module(xi, *args).backward(grad)
 
-    return samples(once, repeats)
+    return once
 
 
 def context() -> dict:
@@ -54,16 +73,23 @@ def context() -> dict:
 def report(rows: dict[str, list[float]], baseline: str, header: str, column: str, json_path: str | None,
            json_key: str, **extra) -> dict:
     """Print each row's median seconds and its ratio to ``rows[baseline]`` (same run); optionally write JSON with
-    every sample, the medians, the ratios and :func:`context`. Returns the JSON payload."""
+    every sample, the medians, the ratios and :func:`context`. Returns the JSON payload.
+
+    Rows timed by :func:`interleaved` (``extra["interleaved"]``) also keep each round's ratio to the baseline's call
+    of that round (``round_ratios``); the printed range of those is the run's own measure of its noise."""
     med = {k: statistics.median(v) for k, v in rows.items()}
+    rounds = {k: [a / b for a, b in zip(v, rows[baseline])] for k, v in rows.items()} \
+        if extra.get("interleaved") else {}
     base = med[baseline]
     width = max(map(len, rows)) + 2
     print(header)
     print(f"{'':{width}s} {'s':>8s} {column:>{len(column) + 1}s}")
     for name, s in med.items():
-        print(f"{name:{width}s} {s:8.3f} {s / base:{len(column)}.2f}x")
+        spread = f"   per round {min(rounds[name]):.2f}-{max(rounds[name]):.2f}x" if rounds else ""
+        print(f"{name:{width}s} {s:8.3f} {s / base:{len(column)}.2f}x{spread}")
     payload = {"header": header, "baseline": baseline, **context(), **extra,
-               "rows": {k: {"seconds": rows[k], "median": med[k], json_key: med[k] / base} for k in rows}}
+               "rows": {k: {"seconds": rows[k], "median": med[k], json_key: med[k] / base,
+                            **({"round_ratios": rounds[k]} if rounds else {})} for k in rows}}
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(payload, fh, indent=2)

@@ -8,8 +8,9 @@ The module is transformers' ``Qwen3MoeExperts`` built from a config. Rows, all m
 * ``bf16 eager``: transformers' eager loop (one GEMM pair per expert), when ``--eager``;
 * ``nvfp4 grouped``: ``FP4Experts`` (nn/experts.py), the default recipe (FP4 forward, BF16 backward).
 
-Reports the median seconds of ``--repeats`` timed calls (after 2 warm-ups), every call's time, the ratio to the
-anchor, and the machine (CPU model and BF16 units).
+Reports the median seconds of ``--repeats`` rounds (after 2 warm-ups; each round runs every row once, the order
+rotated), every call's time, each round's ratio to the anchor, the ratio of the medians, and the machine (CPU model
+and BF16 units).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import argparse
 import copy
 
 import torch
-from _timing import report, samples
+from _timing import interleaved, report
 from torch import nn
 
 import ds_nvfp4
@@ -41,7 +42,8 @@ def build(experts: int, hidden: int, intermediate: int, impl: str) -> nn.Module:
     return m
 
 
-def timed(module: nn.Module, x, idx, w, repeats: int) -> list[float]:
+def call(module: nn.Module, x, idx, w):
+    """One forward+backward of ``module(x, idx, w)`` with fresh input and parameter gradients."""
     grad = torch.randn_like(x)
 
     def once() -> None:
@@ -49,7 +51,7 @@ def timed(module: nn.Module, x, idx, w, repeats: int) -> list[float]:
         module.zero_grad(set_to_none=True)
         module(xi, idx, w).backward(grad)
 
-    return samples(once, repeats)
+    return once
 
 
 def main() -> None:
@@ -72,15 +74,15 @@ def main() -> None:
     x = torch.randn(args.tokens, args.hidden, generator=g).to(torch.bfloat16)
     w, idx = torch.randn(args.tokens, args.experts, generator=g).softmax(-1).topk(args.top_k, dim=-1)
     w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
-    rows = {"bf16 grouped_mm (transformers)": timed(anchor, x, idx, w, args.repeats)}
+    calls = {"bf16 grouped_mm (transformers)": call(anchor, x, idx, w)}
     if args.eager:
-        rows["bf16 eager (transformers)"] = timed(build(args.experts, args.hidden, args.intermediate, "eager"),
-                                                  x, idx, w, args.repeats)
-    rows["nvfp4 grouped (FP4Experts)"] = timed(fp4, x, idx, w, args.repeats)
-    report(rows, "bf16 grouped_mm (transformers)",
+        calls["bf16 eager (transformers)"] = call(build(args.experts, args.hidden, args.intermediate, "eager"),
+                                                  x, idx, w)
+    calls["nvfp4 grouped (FP4Experts)"] = call(fp4, x, idx, w)
+    report(interleaved(calls, args.repeats), "bf16 grouped_mm (transformers)",
            f"{args.experts} experts, top-{args.top_k}, H={args.hidden}, I={args.intermediate}, {args.tokens} tokens, "
            f"forward+backward; kernel {kernel}; {torch.get_num_threads()} threads; median of {args.repeats}",
-           "vs grouped_mm", args.json, "ratio_to_grouped_mm", args=vars(args), kernel=kernel)
+           "vs grouped_mm", args.json, "ratio_to_grouped_mm", args=vars(args), kernel=kernel, interleaved=True)
 
 if __name__ == "__main__":
     main()

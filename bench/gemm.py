@@ -1,7 +1,8 @@
 """Forward+backward of one Linear: NVFP4Linear (each recipe) vs nn.Linear in BF16 and FP32, same run.
 
 Usage: python bench/gemm.py [--features 4096] [--tokens 2048] [--repeats 3] [--json out.json]
-Reports median seconds and the ratio to the BF16 nn.Linear (the baseline the mission compares against).
+Reports median seconds and the ratio to the BF16 nn.Linear (the baseline the mission compares against). The rows are
+timed interleaved (each round runs every row once), and each round's ratio is kept: bench/_timing.py.
 """
 
 from __future__ import annotations
@@ -9,15 +10,15 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _timing import fwd_bwd_samples, report
+from _timing import fwd_bwd, interleaved, report
 from torch import nn
 
 import ds_nvfp4
 from ds_nvfp4.nn import NVFP4Linear, Recipe
 
 
-def fwd_bwd_time(layer: nn.Module, x: torch.Tensor, repeats: int) -> list[float]:
-    return fwd_bwd_samples(layer, x, torch.randn(x.shape[0], layer.out_features, dtype=x.dtype), repeats)
+def fwd_bwd_call(layer: nn.Module, x: torch.Tensor):
+    return fwd_bwd(layer, x, torch.randn(x.shape[0], layer.out_features, dtype=x.dtype))
 
 
 def main() -> None:
@@ -30,20 +31,20 @@ def main() -> None:
     f, t = args.features, args.tokens
     torch.manual_seed(0)
     kernel = ds_nvfp4.kernels.select(None).name
-    rows: dict[str, list[float]] = {}
+    calls = {}
     for name, dtype in (("nn.Linear bf16", torch.bfloat16), ("nn.Linear fp32", torch.float32)):
-        rows[name] = fwd_bwd_time(nn.Linear(f, f, dtype=dtype), torch.randn(t, f, dtype=dtype), args.repeats)
+        calls[name] = fwd_bwd_call(nn.Linear(f, f, dtype=dtype), torch.randn(t, f, dtype=dtype))
     recipes = {
         "NVFP4Linear, mission recipe (bf16 backward)": Recipe(kernel=kernel),
         "NVFP4Linear, paper recipe (FP4 backward, SR, RHT)": Recipe(backward_gemm="nvfp4", kernel=kernel),
     }
     for name, recipe in recipes.items():
-        rows[name] = fwd_bwd_time(NVFP4Linear(f, f, dtype=torch.bfloat16, recipe=recipe),
-                                  torch.randn(t, f, dtype=torch.bfloat16), args.repeats)
-    report(rows, "nn.Linear bf16",
+        calls[name] = fwd_bwd_call(NVFP4Linear(f, f, dtype=torch.bfloat16, recipe=recipe),
+                                   torch.randn(t, f, dtype=torch.bfloat16))
+    report(interleaved(calls, args.repeats), "nn.Linear bf16",
                  f"[{t} x {f}] @ [{f} x {f}]^T forward+backward, bf16 activations and weights, kernel {kernel}, "
                  f"{torch.get_num_threads()} threads, median of {args.repeats}",
-                 "vs bf16 nn.Linear", args.json, "ratio_to_bf16_linear")
+                 "vs bf16 nn.Linear", args.json, "ratio_to_bf16_linear", interleaved=True)
 
 if __name__ == "__main__":
     main()

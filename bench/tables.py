@@ -32,17 +32,28 @@ def _machine(d: dict) -> str:
 
 def _samples(row: dict) -> str:
     xs = row["seconds"]
+    if "round_ratios" in row:  # bench/_timing.py interleaved: each round's ratio to the baseline's call
+        rs = row["round_ratios"]
+        return f"{len(xs)} rounds, {min(xs):.3f}-{max(xs):.3f} s, per round {min(rs):.2f}-{max(rs):.2f}x"
     return f"{len(xs)} calls, {min(xs):.3f}-{max(xs):.3f} s"
 
 
-def quantize() -> list[str]:
-    d = _load("bench/quantize_amx.json")
+def _quantize_table(d: dict) -> list[str]:
     out = [f"{d['header']}; {_machine(d)}", "",
            "| operation | ns / element | of copy bandwidth | median ms | calls |", "|---|---|---|---|---|"]
     for name, r in d["rows"].items():
         out.append(f"| {name} | {r['ns_per_element']:.2f} | {r['copy_bw_fraction']:.0%} | {1e3 * r['median']:.1f} | "
                    f"{len(r['seconds'])} |")
     return out
+
+
+#: the sentence between a table from the AMX Xeon and its twin from the AVX512-BF16 EPYC
+_EPYC = "On a 2-core AMD EPYC with AVX512-BF16 and no AMX (a shared machine whose speed drifts between runs):"
+
+
+def quantize() -> list[str]:
+    return [*_quantize_table(_load("bench/quantize_amx.json")), "", _EPYC, "",
+            *_quantize_table(_load("bench/quantize_epyc.json"))]
 
 
 def _ratio_table(d: dict, key: str, column: str) -> list[str]:
@@ -54,19 +65,14 @@ def _ratio_table(d: dict, key: str, column: str) -> list[str]:
 
 def gemm() -> list[str]:
     out = _ratio_table(_load("bench/gemm_amx.json"), "ratio_to_bf16_linear", "vs BF16 nn.Linear")
-    out += ["", "The same with oneDNN capped at AVX512_CORE_BF16 (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`, no AMX) on "
-            "that Xeon, whose BF16 GEMMs then run slower than its FP32 ones: no stand-in for an AVX512-BF16 EPYC:",
-            ""]
-    out += _ratio_table(_load("bench/gemm_avx512bf16_onednn_cap.json"), "ratio_to_bf16_linear", "vs BF16 nn.Linear")
-    return out
+    return [*out, "", _EPYC, "", *_ratio_table(_load("bench/gemm_epyc.json"), "ratio_to_bf16_linear",
+                                                 "vs BF16 nn.Linear")]
 
 
 def experts() -> list[str]:
     out = _ratio_table(_load("bench/experts_amx.json"), "ratio_to_grouped_mm", "vs transformers grouped_mm")
-    out += ["", "With oneDNN capped at AVX512_CORE_BF16 (as above):", ""]
-    out += _ratio_table(_load("bench/experts_avx512bf16_onednn_cap.json"), "ratio_to_grouped_mm",
-                        "vs transformers grouped_mm")
-    return out
+    return [*out, "", _EPYC, "", *_ratio_table(_load("bench/experts_epyc.json"), "ratio_to_grouped_mm",
+                                                 "vs transformers grouped_mm")]
 
 
 def zero() -> list[str]:
