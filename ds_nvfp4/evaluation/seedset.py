@@ -70,6 +70,7 @@ class Pair:
     verdict: str                        #: this pair alone
     batches: int                        #: held-out batches it was judged on
     source: str                         #: "final_eval.json (whole split)" or the training's last evaluation
+    machine: str = ""                   #: where the pair ran (config.json "machine"), "A / B" when its runs differ
 
 
 @dataclass
@@ -164,7 +165,8 @@ def compare_seed_sets(baselines: list[str], candidates: list[str], loss_gap: flo
         pairs.append(Pair(seed, str(base[seed]), str(cand[seed]), *losses, float(crit.value), crit.ci,
                           crit.verdict, len(fe["val_batch_losses"]) if fe else 0,
                           ("final_eval.json" + (" (whole split)" if fe.get("whole_split") else "")) if fe
-                          else "the training's last evaluation"))
+                          else "the training's last evaluation",
+                          " / ".join(dict.fromkeys(_machine(_config(r)) for r in (base[seed], cand[seed])))))
         notes += [f"seed {seed}: {n}" for n in rep.notes if "differ" in n or "machine" in n]
     protocol = _config(every[0]).get("protocol")
     if protocol is None:
@@ -174,6 +176,11 @@ def compare_seed_sets(baselines: list[str], candidates: list[str], loss_gap: flo
         raise CompareError("the runs' protocol fixes a whole-split final evaluation, but some pair lacks it "
                            f"({[p.seed for p in pairs if not p.source.endswith('(whole split)')]}): rerun "
                            "launch/train.py --protocol ... --final-eval --eval-batches all on them")
+    kinds = sorted({p.machine for p in pairs})
+    if len(kinds) > 1:  # each pair's gap is a same-machine difference; the BF16 runs' spread is not
+        notes.append(f"the pairs ran on {len(kinds)} machine types ({'; '.join(kinds)}): each pair's gap compares "
+                     "runs of one machine, but the BF16 seed spread mixes machines (their GEMM kernels round "
+                     "differently)")
     gaps = [p.gap for p in pairs]
     mean, low, high = t_interval(gaps)
     sd = float(np.std(gaps, ddof=1))
@@ -183,6 +190,11 @@ def compare_seed_sets(baselines: list[str], candidates: list[str], loss_gap: flo
                            seeds_needed(mean, sd, loss_gap, len(pairs)) if verdict == "inconclusive" else None,
                            float((bl.max() - bl.min()) / bl.min()), float(bl.std(ddof=1) / bl.mean()), notes)
     return report
+
+
+def _machine(config: dict) -> str:
+    m = config.get("machine")
+    return f"{m.get('name', '?')} ({m.get('bf16_gemm', '?')})" if m else "not recorded"
 
 
 def _final_loss(run: Path) -> float:
@@ -207,10 +219,11 @@ def write_seed_set(rep: SeedSetReport, out_dir: str | Path) -> dict[str, Path]:
              + (f" At this mean and spread ~{rep.seeds_needed} seeds would decide it."
                 if rep.seeds_needed else ""), "",
              f"BF16 seed spread: {rep.bf16_spread:.3%} (max - min over min), relative sd {rep.bf16_sd:.3%}.", "",
-             "| seed | BF16 val loss | NVFP4 val loss | gap | 95% CI (held-out batches) | pair alone | evaluated on |",
-             "|---|---|---|---|---|---|---|"]
+             "| seed | BF16 val loss | NVFP4 val loss | gap | 95% CI (held-out batches) | pair alone | evaluated on "
+             "| machine |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {p.seed} | {p.baseline_loss:.4f} | {p.candidate_loss:.4f} | {p.gap:+.3%} | "
-              f"[{p.ci[0]:+.3%}, {p.ci[1]:+.3%}] | {p.verdict} | {p.source}, {p.batches or '-'} batches |"
+              f"[{p.ci[0]:+.3%}, {p.ci[1]:+.3%}] | {p.verdict} | {p.source}, {p.batches or '-'} batches | "
+              f"{p.machine} |"
               for p in rep.pairs]
     lines += ["", *[f"- {p.seed}: `{p.baseline}` vs `{p.candidate}`" for p in rep.pairs],
               *[f"- {n}" for n in rep.notes], "", "![paired gaps](report.png)"]

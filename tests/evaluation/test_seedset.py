@@ -109,6 +109,28 @@ def test_a_precision_section_recorded_before_a_schema_field_existed_is_the_same_
     assert r.returncode == 2 and "differ in precision" in r.stderr, r.stderr
 
 
+def test_each_pair_names_its_machine_and_a_set_spanning_machine_types_says_so(tmp_path: Path) -> None:
+    """Pairs are same-machine differences; a set whose pairs ran on different CPUs is judged, and its report names
+    each pair's machine and warns that the BF16 spread mixes machines."""
+    from tests.evaluation.test_compare import MACHINE
+
+    base, cand = _set(tmp_path, [0.002, 0.004, 0.003])
+    r = run("--baselines", *base, "--candidates", *cand, "--out", str(tmp_path / "one"))
+    rep = json.loads((tmp_path / "one" / "report.json").read_text())
+    xeon = f"{MACHINE['name']} ({MACHINE['bf16_gemm']})"
+    assert r.returncode == 0 and [p["machine"] for p in rep["pairs"]] == [xeon] * 3
+    assert not any("machine types" in n for n in rep["notes"])
+    epyc = {"device": "cpu", "name": "AMD EPYC", "bf16_gemm": "CPU with AVX512-BF16"}
+    for d in (base[2], cand[2]):
+        cfg = json.loads((Path(d) / "config.json").read_text())
+        (Path(d) / "config.json").write_text(json.dumps({**cfg, "machine": epyc}))
+    r = run("--baselines", *base, "--candidates", *cand, "--out", str(tmp_path / "two"))
+    rep = json.loads((tmp_path / "two" / "report.json").read_text())
+    assert r.returncode == 0 and rep["pairs"][2]["machine"] == "AMD EPYC (CPU with AVX512-BF16)"
+    assert any("2 machine types" in n and "BF16 seed spread mixes machines" in n for n in rep["notes"])
+    assert "| AMD EPYC (CPU with AVX512-BF16) |" in (tmp_path / "two" / "report.md").read_text()
+
+
 def test_seeds_needed_shrinks_the_interval_past_the_threshold() -> None:
     n = seeds_needed(0.005, 0.004, 0.01, 4)
     assert n is not None and t975(n - 1) * 0.004 / n ** 0.5 < 0.005 <= t975(n - 2) * 0.004 / (n - 1) ** 0.5
