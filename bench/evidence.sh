@@ -82,6 +82,50 @@ train_py() {
     --model "$MODEL" $(recipe) --seed "$(seed_of "$name")" --out "$OUT/$name" "$@" >> "$OUT/$name.log" 2>&1
 }
 
+# A pair's two runs must run on one machine type: CPUs of other types run other GEMM kernels, whose rounding differs
+# from the first step (docs/results.md, "One machine type, several instances, the same bits"). Before any training,
+# each run still to do is checked against the runs of OUT it will be compared with (a twin copied from docs/evidence
+# included); ALLOW_OTHER_MACHINE=1 trains anyway (the report then says the machines differ); CHECK_ONLY=1 stops
+# after this check.
+machine_of() {  # "CPU model (BF16 GEMM units)" of run directory $1, or of this machine without an argument
+  "$BIN/python" - "$@" <<'PY'
+import json, sys
+from pathlib import Path
+if len(sys.argv) > 1:
+    m = json.loads((Path(sys.argv[1]) / "config.json").read_text()).get("machine") or {}
+else:
+    from ds_nvfp4.envcheck import machine
+    m = machine()
+print(f"{m.get('name', 'not recorded')} ({m.get('bf16_gemm', '?')})")
+PY
+}
+partners() {  # the runs of OUT that run $1 will be paired with
+  local name=$1 d
+  case $name in
+    bf16_seed*) for d in "$OUT"/*_seed"${name#bf16_seed}"; do
+                  case $(basename "$d") in bf16*) ;; *) [ -f "$d/config.json" ] && basename "$d" ;; esac
+                done ;;
+    bf16) ;;
+    *_seed*) echo "bf16_seed$(seed_of "$name")" ;;
+    *) echo bf16 ;;
+  esac
+}
+here=$(machine_of)
+for name in $RUNS; do
+  [ -f "$OUT/$name/summary.json" ] && continue
+  for twin in $(partners "$name"); do
+    [ -f "$OUT/$twin/config.json" ] || continue
+    there=$(machine_of "$OUT/$twin")
+    if [ "$there" != "$here" ] && [ "${ALLOW_OTHER_MACHINE:-0}" != 1 ]; then
+      echo "bench/evidence.sh: $name would be paired with $OUT/$twin, which ran on $there; this machine is $here." >&2
+      echo "  A pair's runs must share a machine type (their BF16 GEMMs round differently): run both here (move" >&2
+      echo "  $OUT/$twin aside), or set ALLOW_OTHER_MACHINE=1 to train anyway." >&2
+      exit 2
+    fi
+  done
+done
+[ "${CHECK_ONLY:-0}" = 1 ] && { echo "bench/evidence.sh: every pair of RUNS can run on this machine ($here)"; exit 0; }
+
 "$BIN/python" -m ds_nvfp4 data
 mkdir -p "$OUT"
 for name in $RUNS; do
