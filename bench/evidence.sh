@@ -54,6 +54,8 @@ config_of() {
     paper_no_warmup) echo bench/configs/nvfp4_full_zero3_no_warmup.json ;;
     # the default preset with the late switch: forward GEMMs BF16 for the last 15% (written for 2,100 steps)
     late15) echo bench/configs/nvfp4_zero3_late15_2100.json ;;
+    # the same for protocol v3's 1,200 steps (the 1M candidate after the default failed there: docs/results.md)
+    late15_1200) echo bench/configs/nvfp4_zero3_late15_1200.json ;;
     # the default preset with 4/6 block scaling of the weights (precision.weights.scaling "4over6", bound 256); the
     # 5M run was made with the preset before the guard (BF16 warm-up: its config.json in docs/evidence/5m)
     four_over_six) echo bench/configs/nvfp4_zero3_4over6.json ;;
