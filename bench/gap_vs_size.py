@@ -5,6 +5,10 @@
         --out docs/results_gap_vs_size.png --json docs/results_gap_vs_size.json
     # a series: --variant docs/evidence/1m/report_X="recipe X" --variant docs/evidence/5m/report_X="recipe X"
     python bench/gap_vs_size.py docs/evidence/{1m,5m,10m}/report_nvfp4_zero3 ...   # from the kept evidence
+    # seed sets (`ds-nvfp4 compare --baselines ... --candidates ... --out DIR`): the mean paired gap with its 95% t
+    # interval across seeds, each pair's gap drawn beside it
+    python bench/gap_vs_size.py docs/evidence/v3/1m/seedset_3 docs/evidence/v3/5m/seedset_4 \
+        docs/evidence/v3/10m/seedset_3 --out docs/results_gap_vs_size_v3.png --json docs/results_gap_vs_size_v3.json
 
 Each argument is a report directory written by ``ds-nvfp4 compare --out DIR`` (its report.json names the two runs;
 the parameter count comes from the candidate run's summary.json). A report kept by bench/keep_evidence.sh names
@@ -40,14 +44,21 @@ def points(report_dirs: list[str]) -> list[dict]:
     for arg in report_dirs:
         d, _, label = arg.partition("=")
         rep = json.loads((Path(d) / "report.json").read_text())
-        loss = next(c for c in rep["criteria"] if c["unit"] == "relative")
+        if "pairs" in rep:  # a seed set: its mean paired gap and t interval; the candidate of its first pair
+            loss = {"value": rep["mean"], "ci": rep["ci"], "verdict": rep["verdict"]}
+            first = rep["pairs"][0]
+            rep = {"candidate": first["candidate"], "baseline": first["baseline"],
+                   "pair_gaps": [p["gap"] for p in rep["pairs"]]}
+        else:
+            loss = next(c for c in rep["criteria"] if c["unit"] == "relative")
         run = _run_dir(rep["candidate"], Path(d))
         summary, cfg = _read_json(run / "summary.json"), _read_json(run / "config.json")
         out.append({"report": str(d), "params": summary["params"], "steps": summary["steps"],
                     "tokens": summary["steps"] * cfg["args"]["seq"] * cfg["ds_config"]["train_micro_batch_size_per_gpu"]
                     * cfg["world_size"] * cfg["ds_config"].get("gradient_accumulation_steps", 1),
                     "gap": loss["value"], "ci": loss["ci"], "verdict": loss["verdict"],
-                    "candidate": rep["candidate"], "baseline": rep["baseline"], "label": label or None})
+                    "candidate": rep["candidate"], "baseline": rep["baseline"], "label": label or None,
+                    **({"pair_gaps": rep["pair_gaps"]} if "pair_gaps" in rep else {})})
     return sorted(out, key=lambda p: p["params"])
 
 
@@ -70,11 +81,18 @@ def plot(pts: list[dict], path: Path, threshold: float = 0.01, variants: list[di
     fig, ax = plt.subplots(figsize=(6.5, 6.0))
     x = [p["params"] / 1e6 for p in pts]
     y = [100 * p["gap"] for p in pts]
+    sets = all("pair_gaps" in p for p in pts)
     ax.errorbar(x, y, yerr=_yerr(pts), fmt="o-", capsize=5, color="tab:red",
-                label="default preset as shipped vs BF16 (seed 0), 95% CI")
+                label="default preset as shipped vs BF16: mean paired gap over seeds, 95% t interval" if sets
+                else "default preset as shipped vs BF16 (seed 0), 95% CI")
     for xi, yi, p in zip(x, y, pts):
-        ax.annotate(f"{p['gap']:+.2%} ({p['verdict']})", (xi, yi), textcoords="offset points", xytext=(6, 6),
-                    fontsize=8)
+        seeds = f", {len(p['pair_gaps'])} seeds" if "pair_gaps" in p else ""
+        ax.annotate(f"{p['gap']:+.2%} ({p['verdict']}{seeds})", (xi, yi), textcoords="offset points",
+                    xytext=(6, 6), fontsize=8)
+    if sets:  # each seed pair's own gap, beside its set's mean
+        ax.scatter([xi * 0.96 for xi, p in zip(x, pts) for _ in p["pair_gaps"]],
+                   [100 * g for p in pts for g in p["pair_gaps"]], s=14, color="tab:red", alpha=0.45,
+                   label="each seed pair's gap")
     colors = ["tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown", "tab:olive"]
     series: dict[str, list[dict]] = {}
     for v in variants:  # other recipes or seeds: one series per label (joined), else one marker per report
