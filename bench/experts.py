@@ -19,7 +19,7 @@ import argparse
 import copy
 
 import torch
-from _timing import interleaved, report
+from _timing import fwd_bwd, interleaved, report
 from torch import nn
 
 import ds_nvfp4
@@ -42,18 +42,6 @@ def build(experts: int, hidden: int, intermediate: int, impl: str) -> nn.Module:
     return m
 
 
-def call(module: nn.Module, x, idx, w):
-    """One forward+backward of ``module(x, idx, w)`` with fresh input and parameter gradients."""
-    grad = torch.randn_like(x)
-
-    def once() -> None:
-        xi = x.detach().requires_grad_()
-        module.zero_grad(set_to_none=True)
-        module(xi, idx, w).backward(grad)
-
-    return once
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=64)
@@ -74,11 +62,12 @@ def main() -> None:
     x = torch.randn(args.tokens, args.hidden, generator=g).to(torch.bfloat16)
     w, idx = torch.randn(args.tokens, args.experts, generator=g).softmax(-1).topk(args.top_k, dim=-1)
     w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
-    calls = {"bf16 grouped_mm (transformers)": call(anchor, x, idx, w)}
+    grad = torch.randn_like(x)
+    calls = {"bf16 grouped_mm (transformers)": fwd_bwd(anchor, x, grad, idx, w)}
     if args.eager:
-        calls["bf16 eager (transformers)"] = call(build(args.experts, args.hidden, args.intermediate, "eager"),
-                                                  x, idx, w)
-    calls["nvfp4 grouped (FP4Experts)"] = call(fp4, x, idx, w)
+        calls["bf16 eager (transformers)"] = fwd_bwd(build(args.experts, args.hidden, args.intermediate, "eager"),
+                                                     x, grad, idx, w)
+    calls["nvfp4 grouped (FP4Experts)"] = fwd_bwd(fp4, x, grad, idx, w)
     report(interleaved(calls, args.repeats), "bf16 grouped_mm (transformers)",
            f"{args.experts} experts, top-{args.top_k}, H={args.hidden}, I={args.intermediate}, {args.tokens} tokens, "
            f"forward+backward; kernel {kernel}; {torch.get_num_threads()} threads; median of {args.repeats}",
