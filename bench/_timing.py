@@ -61,13 +61,17 @@ def fwd_bwd(module, x, grad, *args) -> Callable[[], None]:
 
 
 def context() -> dict:
-    """Where and how a benchmark ran: the machine (ds_nvfp4.envcheck.machine), threads, torch, the command."""
+    """Where and how a benchmark ran: the machine (ds_nvfp4.envcheck.machine), threads, torch, the command, and on
+    a CPU the allocator (whether freed buffers come back without page faults: ds_nvfp4.envcheck.allocator)."""
     import torch
 
-    from ds_nvfp4.envcheck import machine
+    from ds_nvfp4.envcheck import allocator, machine
 
-    return {"machine": machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "command": "python " + " ".join(sys.argv)}
+    out = {"machine": machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "command": "python " + " ".join(sys.argv)}
+    if out["machine"]["device"] == "cpu":  # page faults of fresh buffers are part of a CPU figure (envcheck)
+        out["allocator"] = {k: v for k, v in allocator().items() if k != "advice"}
+    return out
 
 
 def report(rows: dict[str, list[float]], baseline: str, header: str, column: str, json_path: str | None,

@@ -26,8 +26,11 @@ def _load(name: str) -> dict:
 
 
 def _machine(d: dict) -> str:
-    m = d["machine"]
-    return f"{m['name']} ({m['bf16_gemm']}), {d['threads']} threads, torch {d['torch']}; `{d['command']}`"
+    m, al = d["machine"], d.get("allocator")
+    env = "".join(f"{k}={v} " for k, v in (al or {}).get("env", {}).items())
+    heap = "" if al is None else (f", {al['name']} malloc " + (
+        "reusing freed buffers" if al["reuses"] else "returning large freed buffers to the OS (page faults)"))
+    return f"{m['name']} ({m['bf16_gemm']}), {d['threads']} threads, torch {d['torch']}{heap}; `{env}{d['command']}`"
 
 
 def _samples(row: dict) -> str:
@@ -51,9 +54,6 @@ def _quantize_table(d: dict) -> list[str]:
 _EPYC = "On a 2-core AMD EPYC with AVX512-BF16 and no AMX (a shared machine whose speed drifts between runs):"
 
 
-def quantize() -> list[str]:
-    return [*_quantize_table(_load("bench/quantize_amx.json")), "", _EPYC, "",
-            *_quantize_table(_load("bench/quantize_epyc.json"))]
 
 
 def _ratio_table(d: dict, key: str, column: str) -> list[str]:
@@ -63,16 +63,27 @@ def _ratio_table(d: dict, key: str, column: str) -> list[str]:
     return out
 
 
+#: the sentence before a table measured with glibc keeping freed buffers (ds_nvfp4.envcheck.GLIBC_REUSE_ENV)
+_REUSE = ("The same machine minutes later, the processes started with glibc's malloc keeping freed buffers for reuse "
+          "(`ds-nvfp4 env`, section CPU allocator below):")
+
+
+def _three(name: str, table) -> list[str]:
+    """``table`` of the AMX Xeon's run, the EPYC's, and the EPYC's with freed buffers reused (``bench/NAME_*.json``)."""
+    return [*table(_load(f"bench/{name}_amx.json")), "", _EPYC, "", *table(_load(f"bench/{name}_epyc.json")), "",
+            _REUSE, "", *table(_load(f"bench/{name}_epyc_reuse.json"))]
+
+
+def quantize() -> list[str]:
+    return _three("quantize", _quantize_table)
+
+
 def gemm() -> list[str]:
-    out = _ratio_table(_load("bench/gemm_amx.json"), "ratio_to_bf16_linear", "vs BF16 nn.Linear")
-    return [*out, "", _EPYC, "", *_ratio_table(_load("bench/gemm_epyc.json"), "ratio_to_bf16_linear",
-                                                 "vs BF16 nn.Linear")]
+    return _three("gemm", lambda d: _ratio_table(d, "ratio_to_bf16_linear", "vs BF16 nn.Linear"))
 
 
 def experts() -> list[str]:
-    out = _ratio_table(_load("bench/experts_amx.json"), "ratio_to_grouped_mm", "vs transformers grouped_mm")
-    return [*out, "", _EPYC, "", *_ratio_table(_load("bench/experts_epyc.json"), "ratio_to_grouped_mm",
-                                                 "vs transformers grouped_mm")]
+    return _three("experts", lambda d: _ratio_table(d, "ratio_to_grouped_mm", "vs transformers grouped_mm"))
 
 
 def zero() -> list[str]:

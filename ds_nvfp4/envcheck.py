@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from pathlib import Path
@@ -101,6 +102,70 @@ def software() -> dict[str, Any]:
     }
 
 
+#: glibc's environment variables (read once, at process start) that keep freed CPU buffers in the process heap
+#: for the next allocation: no mmap for large blocks, and the heap's top never trimmed (64 GiB threshold)
+GLIBC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 * 2**30)}
+
+
+def _allocator_name(maps: str | None = None) -> str:
+    """The malloc serving this process: a preloaded jemalloc/tcmalloc/mimalloc (from ``maps``, default
+    /proc/self/maps), else the C library's ("glibc 2.36")."""
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            maps = ""
+    for lib in ("jemalloc", "tcmalloc", "mimalloc"):
+        if f"lib{lib}" in maps:
+            return lib
+    libc, version = platform.libc_ver()
+    return f"{libc} {version}".strip() or "unknown"
+
+
+def allocator(probe_mib: int = 64, repeats: int = 5) -> dict[str, Any]:
+    """Whether a large CPU tensor, freed and allocated again, comes back without page faults.
+
+    glibc's malloc serves every block over 32 MiB (its largest mmap threshold) with a fresh ``mmap`` and returns it
+    on free, so each such temporary (an operand's values, a GEMM output) is page-faulted in again, one 4 KiB page at
+    a time, on every use. On a CPU that costs more than the arithmetic of a quantize pass: the emulated FP4 paths
+    allocate more such temporaries than BF16 and pay most of their overhead there (docs/benchmarks.md, "CPU
+    allocator"). Measured here: the milliseconds to write ``probe_mib`` MiB into a freshly allocated tensor against
+    writing into one already touched (min of ``repeats``).
+
+    Returns ``{"name", "env" (the MALLOC_* variables set), "fresh_ms", "reused_ms", "reuses" (fresh within 2x of
+    reused), "advice" (str, or None when nothing to do)}``.
+    """
+    n = probe_mib << 20
+
+    def fresh() -> None:
+        t = torch.empty(n, dtype=torch.uint8)
+        t.fill_(1)
+
+    buf = torch.empty(n, dtype=torch.uint8)
+    buf.fill_(0)
+    timed = {}
+    for key, fn in (("fresh_ms", fresh), ("reused_ms", lambda: buf.fill_(1))):
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        timed[key] = round(best * 1e3, 3)
+    name = _allocator_name()
+    env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"}
+    reuses = timed["fresh_ms"] <= 2 * timed["reused_ms"]
+    advice = None
+    if not reuses:
+        setting = " ".join(f"{k}={v}" for k, v in GLIBC_REUSE_ENV.items())
+        advice = (f"each freed buffer over 32 MiB is page-faulted in again ({timed['fresh_ms']:.1f} ms against "
+                  f"{timed['reused_ms']:.1f} ms to rewrite {probe_mib} MiB): "
+                  + (f"start the processes with {setting} (multi-node: in .deepspeed_env)" if name.startswith("glibc")
+                     else f"with {name}, its own settings decide; glibc with {setting} reuses them")
+                  + "; on a 2-core EPYC the emulated FP4 GEMMs then cost 1.02-1.12x of BF16 instead of 1.07-1.28x, "
+                    "BF16 runs faster too, and no bits change (docs/benchmarks.md, CPU allocator)")
+    return {"name": name, "env": env, **timed, "reuses": reuses, "advice": advice}
+
+
 def smoke_test() -> list[dict[str, Any]]:
     """Quantize + a 128x64x256 GEMM through every available backend, each compared with an independent reference:
     the dequantized operands multiplied in float64 (the exact product of what an FP4 tensor core multiplies)."""
@@ -190,6 +255,8 @@ def check_environment(config: str | None = None) -> dict[str, Any]:
     out = {"node": platform.node(), "hardware": hw, "software": sw,
            "default_kernel": {"name": sel.name, "reason": sel.reason}, "smoke_test": smoke_test(),
            "format_kernels": format_kernels()}
+    if hw["device"] == "cpu":  # the host allocator matters where the GEMMs run on the CPU
+        out["allocator"] = allocator()
     if config:
         ok, why = check_config(config)
         out["config"] = {"file": config, "runs_here": ok, "reason": why}

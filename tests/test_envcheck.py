@@ -61,3 +61,33 @@ def test_the_machine_is_named_by_its_cpu_model_and_bf16_units() -> None:
     assert m["bf16_gemm"].startswith(("CPU with", "oneDNN capped")), m
     r = env()
     assert r.returncode == 0 and f"hardware   {m['name']} (cpu)" in r.stdout and m["bf16_gemm"] in r.stdout, r.stdout
+
+
+def test_allocator_check_tells_whether_freed_buffers_come_back_without_page_faults() -> None:
+    """glibc unmaps freed blocks over 32 MiB, so each large temporary is page-faulted in again (most of the CPU
+    emulation's overhead, docs/benchmarks.md); with GLIBC_REUSE_ENV it keeps them. The check measures it and, when
+    the faults are there, says which variables to set."""
+    import os
+
+    from ds_nvfp4.envcheck import GLIBC_REUSE_ENV, _allocator_name
+
+    assert _allocator_name("7f0 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n") == "jemalloc"
+    if torch.cuda.is_available():
+        return
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+    reports = {}
+    for name, extra in (("default", {}), ("reuse", GLIBC_REUSE_ENV)):
+        r = subprocess.run([sys.executable, "-m", "ds_nvfp4", "env", "--json"], capture_output=True, text=True,
+                           timeout=300, env={**base, **extra})
+        assert r.returncode == 0, r.stderr
+        reports[name] = json.loads(r.stdout)["allocator"]
+    reuse = reports["reuse"]
+    assert reuse["reuses"] is True and reuse["advice"] is None and reuse["env"] == GLIBC_REUSE_ENV, reuse
+    default = reports["default"]
+    if default["name"].startswith("glibc"):
+        # glibc's default mmaps a 64 MiB block afresh on every allocation
+        assert default["reuses"] is False and default["fresh_ms"] > 2 * default["reused_ms"], default
+        assert "MALLOC_MMAP_MAX_=0" in default["advice"] and "docs/benchmarks.md" in default["advice"]
+    r = subprocess.run([sys.executable, "-m", "ds_nvfp4", "env"], capture_output=True, text=True, timeout=300,
+                       env={**base, **GLIBC_REUSE_ENV})
+    assert "allocator" in r.stdout and "reuses freed buffers" in r.stdout
