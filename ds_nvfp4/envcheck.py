@@ -122,6 +122,19 @@ def _allocator_name(maps: str | None = None) -> str:
     return f"{libc} {version}".strip() or "unknown"
 
 
+def allocator_note(environ: dict[str, str] | None = None, maps: str | None = None) -> str | None:
+    """The start-up note of a run whose FP4 GEMMs are emulated on this CPU while glibc page-faults every freed block
+    over 32 MiB in again (:func:`allocator`), or None. From the environment alone: no timing at start-up."""
+    env = os.environ if environ is None else environ
+    name = _allocator_name(maps)
+    if not name.startswith("glibc") or all(env.get(k) == v for k, v in GLIBC_REUSE_ENV.items()):
+        return None
+    setting = " ".join(f"{k}={v}" for k, v in GLIBC_REUSE_ENV.items())
+    return (f"CPU allocator: {name} returns freed buffers over 32 MiB to the OS, so each is page-faulted in again; "
+            f"{setting} (every rank) made the emulated FP4 GEMMs 1.02-1.12x of BF16 instead of 1.07-1.28x on a "
+            "2-core EPYC, with the same bits (docs/benchmarks.md, CPU allocator; `ds-nvfp4 env` measures it)")
+
+
 def allocator(probe_mib: int = 64, repeats: int = 5) -> dict[str, Any]:
     """Whether a large CPU tensor, freed and allocated again, comes back without page faults.
 

@@ -9,6 +9,9 @@ STEPS=${STEPS:-200}
 MODEL=${MODEL:-1m}
 OUT=${OUT:-runs/demo}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# glibc keeps freed buffers for reuse instead of page-faulting them in again: faster, same bits (docs/benchmarks.md,
+# CPU allocator)
+export MALLOC_MMAP_MAX_=${MALLOC_MMAP_MAX_-0} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_-68719476736}
 
 "$BIN/python" -m ds_nvfp4 data
 # the C++ CPU format kernels are built once per machine (~1 min the first time, then cached by torch)

@@ -91,3 +91,17 @@ def test_allocator_check_tells_whether_freed_buffers_come_back_without_page_faul
     r = subprocess.run([sys.executable, "-m", "ds_nvfp4", "env"], capture_output=True, text=True, timeout=300,
                        env={**base, **GLIBC_REUSE_ENV})
     assert "allocator" in r.stdout and "reuses freed buffers" in r.stdout
+
+
+def test_allocator_note_names_the_settings_only_where_glibc_page_faults() -> None:
+    """The start-up note (engine/initialize.py, emulated GEMMs on CPU) is decided from the environment alone."""
+    from ds_nvfp4.envcheck import GLIBC_REUSE_ENV, allocator_note
+
+    glibc_maps = "7f0 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+    note = allocator_note({}, glibc_maps)
+    if not note:  # not a glibc system: nothing to advise
+        return
+    assert "MALLOC_MMAP_MAX_=0" in note and "MALLOC_TRIM_THRESHOLD_=" in note and "same bits" in note
+    assert allocator_note(dict(GLIBC_REUSE_ENV), glibc_maps) is None
+    assert allocator_note({"MALLOC_MMAP_MAX_": "0"}, glibc_maps) is not None  # the heap's top would still be trimmed
+    assert allocator_note({}, glibc_maps + "7f1 r-xp 0 08:01 2 /usr/lib/libjemalloc.so.2\n") is None

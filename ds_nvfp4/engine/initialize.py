@@ -19,7 +19,7 @@ import ds_nvfp4_autohook as autohook
 
 from ..config import ConfigError, PrecisionConfig, Problem, load_config
 from ..config.schedule import SchedulePlan
-from ..kernels import select
+from ..kernels import read_device, select
 from ..nn import ConversionReport, convert_model
 from ..nn.module import FP4Module
 from ..zero import seams
@@ -116,6 +116,11 @@ def initialize(*args, **kwargs):
     state.seam_scopes = scopes
     if is_pipeline(engine):
         conversion.notes.append(stage_note(engine))
+    if selection.name == "emulated" and read_device().device_type == "cpu":
+        from ..envcheck import allocator_note
+
+        if (note := allocator_note()) is not None:
+            conversion.notes.append(note)
     if packed:
         from ..zero import install as install_storage
 
