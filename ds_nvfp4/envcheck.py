@@ -107,7 +107,7 @@ def software() -> dict[str, Any]:
 GLIBC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 * 2**30)}
 
 
-def _allocator_name(maps: str | None = None) -> str:
+def allocator_name(maps: str | None = None) -> str:
     """The malloc serving this process: a preloaded jemalloc/tcmalloc/mimalloc (from ``maps``, default
     /proc/self/maps), else the C library's ("glibc 2.36")."""
     if maps is None:
@@ -126,7 +126,7 @@ def allocator_note(environ: dict[str, str] | None = None, maps: str | None = Non
     """The start-up note of a run whose FP4 GEMMs are emulated on this CPU while glibc page-faults every freed block
     over 32 MiB in again (:func:`allocator`), or None. From the environment alone: no timing at start-up."""
     env = os.environ if environ is None else environ
-    name = _allocator_name(maps)
+    name = allocator_name(maps)
     if not name.startswith("glibc") or all(env.get(k) == v for k, v in GLIBC_REUSE_ENV.items()):
         return None
     setting = " ".join(f"{k}={v}" for k, v in GLIBC_REUSE_ENV.items())
@@ -164,7 +164,7 @@ def allocator(probe_mib: int = 64, repeats: int = 5) -> dict[str, Any]:
             fn()
             best = min(best, time.perf_counter() - t0)
         timed[key] = round(best * 1e3, 3)
-    name = _allocator_name()
+    name = allocator_name()
     env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"}
     reuses = timed["fresh_ms"] <= 2 * timed["reused_ms"]
     advice = None

@@ -69,9 +69,9 @@ def test_allocator_check_tells_whether_freed_buffers_come_back_without_page_faul
     the faults are there, says which variables to set."""
     import os
 
-    from ds_nvfp4.envcheck import GLIBC_REUSE_ENV, _allocator_name
+    from ds_nvfp4.envcheck import GLIBC_REUSE_ENV, allocator_name
 
-    assert _allocator_name("7f0 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n") == "jemalloc"
+    assert allocator_name("7f0 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n") == "jemalloc"
     if torch.cuda.is_available():
         return
     base = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}

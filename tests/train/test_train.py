@@ -82,7 +82,11 @@ def test_run_directory_and_resume(data: Path, tmp_path: Path) -> None:
     from ds_nvfp4.envcheck import machine
 
     # the machine that made the bits (compare notes a pair from two): the rank-0 process's own reading
-    assert json.loads((run / "config.json").read_text())["machine"] == machine()
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["machine"] == machine()
+    # what sets its speed too: the allocator and its MALLOC_* settings (docs/benchmarks.md, CPU allocator)
+    assert cfg["allocator"]["name"] and all(k.startswith("MALLOC_") or k == "LD_PRELOAD"
+                                            for k in cfg["allocator"]["env"])
     summary = json.loads((run / "summary.json").read_text())
     assert len(summary["peak_rss_bytes_per_rank"]) == 2 and all(v > 0 for v in summary["peak_rss_bytes_per_rank"])
     storage = json.loads((run / "storage.json").read_text())
