@@ -84,10 +84,16 @@ def test_allocator_check_tells_whether_freed_buffers_come_back_without_page_faul
     reuse = reports["reuse"]
     assert reuse["reuses"] is True and reuse["advice"] is None and reuse["env"] == GLIBC_REUSE_ENV, reuse
     default = reports["default"]
-    if default["name"].startswith("glibc"):
-        # glibc's default mmaps a 64 MiB block afresh on every allocation
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    huge_pages_always = thp.exists() and "[always]" in thp.read_text()
+    if default["name"].startswith("glibc") and not huge_pages_always:
+        # glibc's default mmaps a 64 MiB block afresh on every allocation, faulted in 4 KiB at a time (with
+        # transparent huge pages always on, the faults are 512x fewer and the measurement decides alone)
         assert default["reuses"] is False and default["fresh_ms"] > 2 * default["reused_ms"], default
+    if not default["reuses"]:
         assert "MALLOC_MMAP_MAX_=0" in default["advice"] and "docs/benchmarks.md" in default["advice"]
+    else:
+        assert default["advice"] is None
     r = subprocess.run([sys.executable, "-m", "ds_nvfp4", "env"], capture_output=True, text=True, timeout=300,
                        env={**base, **GLIBC_REUSE_ENV})
     assert "allocator" in r.stdout and "reuses freed buffers" in r.stdout
