@@ -54,8 +54,6 @@ def _quantize_table(d: dict) -> list[str]:
 _EPYC = "On a 2-core AMD EPYC with AVX512-BF16 and no AMX (a shared machine whose speed drifts between runs):"
 
 
-
-
 def _ratio_table(d: dict, key: str, column: str) -> list[str]:
     out = [f"{d['header']}; {_machine(d)}", "", f"| row | median s | {column} | samples |", "|---|---|---|---|"]
     for name, r in d["rows"].items():

@@ -105,6 +105,15 @@ def software() -> dict[str, Any]:
 #: glibc's environment variables (read once, at process start) that keep freed CPU buffers in the process heap
 #: for the next allocation: no mmap for large blocks, and the heap's top never trimmed (64 GiB threshold)
 GLIBC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 * 2**30)}
+_REUSE_SETTING = " ".join(f"{k}={v}" for k, v in GLIBC_REUSE_ENV.items())
+#: what the setting did, from the kept benchmarks (docs/evidence/bench/{gemm,experts}_epyc{,_reuse}.json)
+_REUSE_EFFECT = ("on a 2-core EPYC the emulated FP4 GEMMs cost 1.02-1.12x of BF16 with it instead of 1.07-1.28x, with "
+                 "the same bits (docs/benchmarks.md, CPU allocator)")
+
+
+def allocator_env() -> dict[str, str]:
+    """The environment variables that choose or tune this process's malloc (``MALLOC_*``, ``LD_PRELOAD``)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"}
 
 
 def allocator_name(maps: str | None = None) -> str:
@@ -129,10 +138,8 @@ def allocator_note(environ: dict[str, str] | None = None, maps: str | None = Non
     name = allocator_name(maps)
     if not name.startswith("glibc") or all(env.get(k) == v for k, v in GLIBC_REUSE_ENV.items()):
         return None
-    setting = " ".join(f"{k}={v}" for k, v in GLIBC_REUSE_ENV.items())
     return (f"CPU allocator: {name} returns freed buffers over 32 MiB to the OS, so each is page-faulted in again; "
-            f"{setting} (every rank) made the emulated FP4 GEMMs 1.02-1.12x of BF16 instead of 1.07-1.28x on a "
-            "2-core EPYC, with the same bits (docs/benchmarks.md, CPU allocator; `ds-nvfp4 env` measures it)")
+            f"set {_REUSE_SETTING} for every rank: {_REUSE_EFFECT}; `ds-nvfp4 env` measures it")
 
 
 def allocator(probe_mib: int = 64, repeats: int = 5) -> dict[str, Any]:
@@ -165,17 +172,15 @@ def allocator(probe_mib: int = 64, repeats: int = 5) -> dict[str, Any]:
             best = min(best, time.perf_counter() - t0)
         timed[key] = round(best * 1e3, 3)
     name = allocator_name()
-    env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "LD_PRELOAD"}
+    env = allocator_env()
     reuses = timed["fresh_ms"] <= 2 * timed["reused_ms"]
     advice = None
     if not reuses:
-        setting = " ".join(f"{k}={v}" for k, v in GLIBC_REUSE_ENV.items())
         advice = (f"each freed buffer over 32 MiB is page-faulted in again ({timed['fresh_ms']:.1f} ms against "
                   f"{timed['reused_ms']:.1f} ms to rewrite {probe_mib} MiB): "
-                  + (f"start the processes with {setting} (multi-node: in .deepspeed_env)" if name.startswith("glibc")
-                     else f"with {name}, its own settings decide; glibc with {setting} reuses them")
-                  + "; on a 2-core EPYC the emulated FP4 GEMMs then cost 1.02-1.12x of BF16 instead of 1.07-1.28x, "
-                    "BF16 runs faster too, and no bits change (docs/benchmarks.md, CPU allocator)")
+                  + (f"start the processes with {_REUSE_SETTING} (multi-node: in .deepspeed_env)"
+                     if name.startswith("glibc") else f"with {name}, its own settings decide; glibc with "
+                     f"{_REUSE_SETTING} reuses them") + f"; {_REUSE_EFFECT}")
     return {"name": name, "env": env, **timed, "reuses": reuses, "advice": advice}
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import ds_nvfp4
-from ds_nvfp4.envcheck import allocator_name, machine
+from ds_nvfp4.envcheck import allocator_env, allocator_name, machine
 from ds_nvfp4.evaluation.data import prepare
 from ds_nvfp4.evaluation.gpt import AUX_LOSS_COEF, GPT, MOE_PRESETS, PRESETS, evaluate, get_batch, model_spec
 from ds_nvfp4.evaluation.protocol import PROTOCOLS, whole_split_batches
@@ -188,8 +188,7 @@ def main() -> None:
                     "deepspeed": deepspeed.__version__, "ds_nvfp4": ds_nvfp4.__version__,
                     "machine": machine(),  # runs on machines that differ here are not bit-identical
                     # its speed, not its bits: wall times compare only across runs with the same (docs/benchmarks.md)
-                    "allocator": {"name": allocator_name(), "env": {k: v for k, v in os.environ.items()
-                                                                     if k.startswith("MALLOC_") or k == "LD_PRELOAD"}}}
+                    "allocator": {"name": allocator_name(), "env": allocator_env()}}
         (out / "config.json").write_text(json.dumps(resolved, indent=2))
         if state is not None:
             (out / "conversion.json").write_text(state.conversion.to_json())
