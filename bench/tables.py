@@ -62,8 +62,8 @@ def _ratio_table(d: dict, key: str, column: str) -> list[str]:
 
 
 #: the sentence before a table measured with glibc keeping freed buffers (ds_nvfp4.envcheck.GLIBC_REUSE_ENV)
-_REUSE = ("The same machine in the same pause, the processes started with glibc's malloc keeping freed buffers for reuse "
-          "(`ds-nvfp4 env`, section CPU allocator below):")
+_REUSE = ("The same machine in the same pause, the processes started with glibc's malloc keeping freed buffers for "
+          "reuse (`ds-nvfp4 env`, section CPU allocator below):")
 
 
 def _three(name: str, table) -> list[str]:

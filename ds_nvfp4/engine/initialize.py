@@ -117,7 +117,7 @@ def initialize(*args, **kwargs):
     if is_pipeline(engine):
         conversion.notes.append(stage_note(engine))
     if selection.name == "emulated" and read_device().device_type == "cpu":
-        from ..envcheck import allocator_note
+        from ..kernels.cpu_allocator import allocator_note
 
         if (note := allocator_note()) is not None:
             conversion.notes.append(note)
