@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ds_nvfp4.zero import teardown
 from ds_nvfp4.zero.shm import remove_stale_workspaces, workspace_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +109,7 @@ def main() -> None:
     result = getattr(importlib.import_module(module), name)(rank, params)
     result["rank"] = rank
     result["shm_segment"] = {"created": shm_created, "left_behind": segment.exists()}
+    result["exit_teardown"] = teardown.registered()
     result["finite"] = all(math.isfinite(v) for v in result.get("losses", [0.0]))
     Path(out).write_text(json.dumps(result))
     torch.distributed.barrier()

@@ -4,8 +4,10 @@ Reads the ``precision`` section from the same ds_config (a path, a dict, or ``ar
 it, converts the model's GEMM layers, calls ``deepspeed.initialize`` unchanged, checks every DeepSpeed name ds_nvfp4
 relies on (zero/seams.py), packs the ZeRO-3 weight partitions (``weights.storage: "nvfp4"``) and installs the
 engine lifecycle (lifecycle.py) with its features in their one order. With ``precision.enabled`` false or absent it
-*is* ``deepspeed.initialize``: same arguments, same return tuple; the one thing added in both cases is unlinking
-DeepSpeed's CPU shared-memory all-reduce segments once every rank has mapped them (zero/shm.py).
+*is* ``deepspeed.initialize``: same arguments, same return tuple; the two things added in both cases are process
+hygiene: unlinking DeepSpeed's CPU shared-memory all-reduce segments once every rank has mapped them (zero/shm.py),
+and destroying gloo process groups at interpreter exit, which otherwise aborts a finished run now and then
+(zero/teardown.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..nn.module import FP4Module
 from ..zero import seams
 from ..zero.leaves import mark_experts_leaves
 from ..zero.shm import release_shm_workspace
+from ..zero.teardown import destroy_at_exit
 from ..zero.traffic import engine_traffic
 from .announce import announce, summary_line
 from .base import finish_base, open_base, prepare_base
@@ -66,6 +69,7 @@ def initialize(*args, **kwargs):
             autohook.warn_near_miss(ds_config)
         result = deepspeed_initialize(*args, **kwargs)
         release_shm_workspace()
+        destroy_at_exit()
         return result
 
     ds_config = _effective_ds_config(ds_config, precision)
@@ -102,6 +106,7 @@ def initialize(*args, **kwargs):
         bound.arguments[where] = ds_config
     engine, optimizer, loader, scheduler = deepspeed_initialize(*bound.args, **bound.kwargs)
     release_shm_workspace()
+    destroy_at_exit()
 
     import deepspeed.comm as dist
 

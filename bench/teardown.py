@@ -1,0 +1,83 @@
+"""How often a 2-rank gloo job aborts at exit, with and without ds_nvfp4's exit-time teardown (zero/teardown.py).
+
+Each trial launches ``torchrun --nproc_per_node 2`` on a small script: gloo all-reduce (async), reduce-scatter and
+all-gather of BF16 tensors 20 times, print, exit without ``destroy_process_group()`` (what HF Trainer and
+Accelerate scripts do). "without" leaves the groups to interpreter exit; "with" calls
+``ds_nvfp4.zero.teardown.destroy_at_exit()`` first, as ``ds_nvfp4.initialize`` does. A trial fails when torchrun
+exits non-zero; the JSON keeps each trial's exit code and whether the output held "terminate called".
+The two arms alternate, so both see the same machine load.
+
+    python bench/teardown.py --trials 20 --json docs/evidence/teardown/abort_at_exit.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._timing import context
+
+SCRIPT = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+sub = dist.new_group([0, 1])
+t = torch.randn(1 << 16, dtype=torch.bfloat16)
+for _ in range(20):
+    dist.all_reduce(t, async_op=True).wait()
+    dist.reduce_scatter_tensor(torch.empty(1 << 15, dtype=torch.bfloat16), t, group=sub)
+    dist.all_gather([torch.empty_like(t) for _ in range(2)], t, group=sub)
+if os.environ.get("TEARDOWN") == "1":
+    from ds_nvfp4.zero.teardown import destroy_at_exit
+    destroy_at_exit()
+print("done", dist.get_rank(), flush=True)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trial(script: Path, teardown: bool) -> dict:
+    """One 2-rank launch: its exit code and whether a rank aborted with "terminate called"."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, TEARDOWN="1" if teardown else "0", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    r = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    return {"rc": r.returncode, "terminate": "terminate called" in r.stdout + r.stderr}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=20, help="launches per arm")
+    p.add_argument("--json", default=None, help="write every trial here")
+    args = p.parse_args()
+    runs: dict[str, list[dict]] = {"without": [], "with": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp, "job.py")
+        script.write_text(SCRIPT)
+        for _ in tqdm(range(args.trials), desc="trial pairs"):
+            for arm in ("without", "with"):
+                runs[arm].append(trial(script, arm == "with"))
+    counts = {arm: sum(t["rc"] != 0 for t in ts) for arm, ts in runs.items()}
+    for arm, ts in runs.items():
+        print(f"{arm:>8} teardown: {counts[arm]} of {len(ts)} launches failed "
+              f"({sum(t['terminate'] for t in ts)} with 'terminate called')")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"context": context(), "failed": counts, "trials": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
