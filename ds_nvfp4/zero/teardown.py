@@ -24,7 +24,7 @@ import sys
 
 log = logging.getLogger("ds_nvfp4")
 
-_state = {"registered": False, "unhandled": False}
+_state = {"registered": False}
 
 
 def destroy_at_exit() -> bool:
@@ -32,13 +32,6 @@ def destroy_at_exit() -> bool:
     if _state["registered"]:
         return False
     _state["registered"] = True
-    previous = sys.excepthook
-
-    def excepthook(kind, value, tb):  # runs before the atexit handlers when the script dies of an exception
-        _state["unhandled"] = True
-        previous(kind, value, tb)
-
-    sys.excepthook = excepthook
     atexit.register(_teardown)
     return True
 
@@ -51,7 +44,9 @@ def registered() -> bool:
 def _teardown() -> None:
     import torch.distributed as dist
 
-    if _state["unhandled"] or not dist.is_available() or not dist.is_initialized():
+    # the interpreter sets sys.last_value when the script dies of an exception, before the atexit handlers run
+    # (whatever sys.excepthook is); sys.exit(n) does not set it
+    if getattr(sys, "last_value", None) is not None or not dist.is_available() or not dist.is_initialized():
         return
     if dist.get_backend() != "gloo":
         return

@@ -26,6 +26,8 @@ dist.all_reduce(__import__("torch").ones(4))
 if "teardown" in sys.argv:
     from ds_nvfp4.zero.teardown import destroy_at_exit
     assert destroy_at_exit() and not destroy_at_exit()  # once per process
+if "hook" in sys.argv:  # a framework's own excepthook (it prints the error its way)
+    sys.excepthook = lambda kind, value, tb: print("custom hook:", value, file=sys.stderr)
 if "raise" in sys.argv:
     raise RuntimeError("the script died")
 """
@@ -52,9 +54,9 @@ def test_without_it_the_groups_reach_interpreter_exit(tmp_path: Path) -> None:
     assert alive is True
 
 
-@pytest.mark.parametrize("teardown", [True, False])
-def test_left_alone_after_an_unhandled_exception(tmp_path: Path, teardown: bool) -> None:
+@pytest.mark.parametrize("flags", [("teardown",), (), ("teardown", "hook")])
+def test_left_alone_after_an_unhandled_exception(tmp_path: Path, flags: tuple[str, ...]) -> None:
     """A peer may still wait in a collective: destroying the group would wait for its queued work."""
-    alive, r = _still_initialized_at_exit(tmp_path, "raise", *(["teardown"] if teardown else []))
+    alive, r = _still_initialized_at_exit(tmp_path, "raise", *flags)
     assert r.returncode == 1 and "the script died" in r.stderr  # the user's traceback still printed
     assert alive is True
