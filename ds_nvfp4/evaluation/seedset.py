@@ -166,7 +166,7 @@ def compare_seed_sets(baselines: list[str], candidates: list[str], loss_gap: flo
                           crit.verdict, len(fe["val_batch_losses"]) if fe else 0,
                           ("final_eval.json" + (" (whole split)" if fe.get("whole_split") else "")) if fe
                           else "the training's last evaluation",
-                          " / ".join(dict.fromkeys(_machine(_config(r)) for r in (base[seed], cand[seed])))))
+                          " / ".join(dict.fromkeys(machine_label(_config(r)) for r in (base[seed], cand[seed])))))
         notes += [f"seed {seed}: {n}" for n in rep.notes if "differ" in n or "machine" in n]
     protocol = _config(every[0]).get("protocol")
     if protocol is None:
@@ -192,7 +192,8 @@ def compare_seed_sets(baselines: list[str], candidates: list[str], loss_gap: flo
     return report
 
 
-def _machine(config: dict) -> str:
+def machine_label(config: dict) -> str:
+    """A run's machine type as its config.json records it: "CPU model (BF16 GEMM units)", or "not recorded"."""
     m = config.get("machine")
     return f"{m.get('name', '?')} ({m.get('bf16_gemm', '?')})" if m else "not recorded"
 

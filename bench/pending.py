@@ -1,0 +1,156 @@
+"""The evidence still owed, and which of it this machine can run: read from what docs/evidence keeps.
+
+Sessions land on machines of several CPU types, and a seed pair's two runs must share one (their BF16 GEMMs round
+differently from the first step: bench/same_bits.py). This reads every seed set kept under ``--evidence``
+(``<model>/seedset_*/report.json``, written by ``ds-nvfp4 compare --baselines ... --candidates ...``) and the
+runs beside it, and lists:
+
+* **unpaired halves**: a kept ``bf16_seedN`` of a set's seeds without its candidate ``<recipe>_seedN``, or the
+  other way round; the missing run must run on the machine type of the kept one;
+* **undecided sets**: a set judged ``inconclusive`` owes pairs up to its ``seeds_needed`` estimate, every new pair
+  on the set's machine type (a set whose pairs span types says so in its report).
+
+For each owed run it says whether this machine is of the required type and, where it is, prints the commands that
+copy the kept twin into a runs folder and train the run with bench/evidence.sh. A set whose newest report says
+pass or fail owes nothing; a set superseded by a larger one of the same recipe is not read.
+
+    python bench/pending.py                   # every set under docs/evidence/v3
+    python bench/pending.py --json pending.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from ds_nvfp4.evaluation.seedset import machine_label  # noqa: E402
+
+SEED = re.compile(r"^(?P<recipe>.+)_seed(?P<seed>\d+)$")
+
+
+@dataclass(frozen=True)
+class Owed:
+    """One run a kept seed set still needs: its folder, the set it completes, why, and the machine type it needs."""
+
+    folder: str         # the model's folder under --evidence
+    model: str          # bench/evidence.sh's MODEL (the kept runs' config.json: args.model)
+    run: str            # e.g. "nvfp4_zero3_seed3"
+    twin: str | None    # the kept half it is paired with (copied into the runs folder first), or None
+    set_report: str     # the seed set's report.json it answers, relative to the evidence folder
+    why: str
+    machine: str        # "CPU model (BF16 GEMM units)" as config.json records it
+    here: bool          # this machine is of that type
+
+
+def _model_name(config: dict, folder: str) -> str:
+    """bench/evidence.sh's MODEL of a kept run (its config.json's ``args.model``), else the folder's name."""
+    args = config.get("args")
+    return str(args.get("model")) if isinstance(args, dict) and args.get("model") else folder
+
+
+def _name(run: str) -> str:
+    """A report's run name without the folder it was compared in ("p3_moe5m/bf16_seed0" -> "bf16_seed0")."""
+    return Path(run).name
+
+
+def _sets(model_dir: Path) -> dict[str, Path]:
+    """The newest (most pairs) BF16-baselined seed-set report of each candidate recipe in one model's folder."""
+    best: dict[str, tuple[int, Path]] = {}
+    for report in sorted(model_dir.glob("seedset_*/report.json")):
+        pairs = json.loads(report.read_text())["pairs"]
+        if not pairs or not all(_name(p["baseline"]).startswith("bf16_seed") for p in pairs):
+            continue  # e.g. a recipe against another recipe: no BF16 twins to complete
+        recipe = SEED.match(_name(pairs[0]["candidate"]))["recipe"]
+        if recipe not in best or len(pairs) > best[recipe][0]:
+            best[recipe] = (len(pairs), report)
+    return {recipe: report for recipe, (_, report) in best.items()}
+
+
+def pending(evidence: Path, here: str) -> tuple[list[Owed], list[str]]:
+    """Every run the seed sets under ``evidence`` owe, in model, set and seed order; and the inconclusive sets that
+    no number of seeds of their recipe would decide (the mean on the threshold): they need another recipe."""
+    owed: list[Owed] = []
+    stuck: list[str] = []
+    for model_dir in sorted(p for p in evidence.iterdir() if p.is_dir()):
+        runs = {p.name: json.loads((p / "config.json").read_text())
+                for p in model_dir.iterdir() if (p / "config.json").exists()}
+        for recipe, report_path in sorted(_sets(model_dir).items()):
+            report = json.loads(report_path.read_text())
+            where = str(report_path.relative_to(evidence))
+            seeds = sorted(int(SEED.match(_name(p["candidate"]))["seed"]) for p in report["pairs"])
+            machines = sorted({machine_label(runs[_name(p["baseline"])]) for p in report["pairs"]
+                               if _name(p["baseline"]) in runs})
+            model = _model_name(next(iter(runs.values())), model_dir.name) if runs else model_dir.name
+            # unpaired halves: a seed whose one run is kept and whose other is not
+            kept_seeds = {int(m["seed"]) for n in runs if (m := SEED.match(n)) and m["recipe"] in ("bf16", recipe)}
+            for seed in sorted(kept_seeds - set(seeds)):
+                base, cand = f"bf16_seed{seed}", f"{recipe}_seed{seed}"
+                have, missing = (base, cand) if base in runs else (cand, base)
+                if missing in runs:
+                    continue  # both kept, not yet compared: `ds-nvfp4 compare` owes, not a training run
+                m = machine_label(runs[have])
+                owed.append(Owed(model_dir.name, model, missing, have, where, f"the other half of the kept {have}",
+                                 m, m == here))
+            if report["verdict"] != "inconclusive":
+                continue
+            if not report.get("seeds_needed"):
+                stuck.append(f"{where}: inconclusive on {len(seeds)} pairs with its mean {report['mean']:+.3%} on "
+                             f"the {report['threshold']:.0%} threshold: at this mean no number of seeds decides it; "
+                             "another recipe may")
+                continue
+            taken = set(seeds) | kept_seeds
+            new = [s for s in range(max(taken) + 1 + report["seeds_needed"]) if s not in taken]
+            new = new[: max(0, report["seeds_needed"] - len(taken))]
+            m = machines[0] if len(machines) == 1 else " / ".join(machines)
+            why = (f"the set is inconclusive on {len(seeds)} pairs (mean {report['mean']:+.3%}, 95% "
+                   f"{report['ci'][0]:+.3%} .. {report['ci'][1]:+.3%}); about {report['seeds_needed']} would decide")
+            for seed in new:
+                for run in (f"bf16_seed{seed}", f"{recipe}_seed{seed}"):
+                    owed.append(Owed(model_dir.name, model, run, None, where, why, m, m == here))
+    return owed, stuck
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--evidence", type=Path, default=ROOT / "docs" / "evidence" / "v3",
+                   help="the folder of kept seed sets, one subfolder per model (default: docs/evidence/v3)")
+    p.add_argument("--json", default=None, help="also write the owed runs here")
+    args = p.parse_args()
+    from ds_nvfp4.envcheck import machine
+
+    here = machine_label({"machine": machine()})
+    owed, stuck = pending(args.evidence, here)
+    print(f"this machine: {here}")
+    if not owed:
+        print("no kept seed set owes a run")
+    for line in stuck:
+        print(f"  undecidable by seeds: {line}")
+    for o in owed:
+        print(f"  {'HERE ' if o.here else 'other'}  {o.model:>6}  {o.run:<24} on {o.machine}: {o.why} ({o.set_report})")
+    by_folder: dict[str, list[Owed]] = {}
+    for o in owed:
+        if o.here:
+            by_folder.setdefault(o.folder, []).append(o)
+    for folder, runs in by_folder.items():
+        out = f"runs/pending_{folder}"
+        print(f"\nto run here ({folder}), then keep each run (bench/keep_evidence.sh) and compare the set again:")
+        print(f"  mkdir -p {out}")
+        for twin in dict.fromkeys(o.twin for o in runs if o.twin is not None):  # one copy per kept twin
+            kept = (args.evidence / folder / twin).resolve()
+            print(f"  cp -r {kept.relative_to(ROOT) if kept.is_relative_to(ROOT) else kept} {out}/ && "
+                  f"gunzip -f {out}/{twin}/*.gz")
+        print(f"  PROTOCOL=v3 MODEL={runs[0].model} OUT={out} RUNS=\"{' '.join(o.run for o in runs)}\" "
+              "PROBE_RUNS= bash bench/evidence.sh")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": here, "owed": [asdict(o) for o in owed],
+                                               "undecidable": stuck}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""bench/pending.py: the runs kept seed sets still owe, read from a real evidence tree (config.json, report.json)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.pending import pending
+from ds_nvfp4.envcheck import machine
+from ds_nvfp4.evaluation.seedset import machine_label
+
+ROOT = Path(__file__).resolve().parents[1]
+XEON = {"device": "cpu", "name": "Intel(R) Xeon(R) Processor", "bf16_gemm": "CPU with AMX-BF16"}
+
+
+def _run(folder: Path, name: str, where: dict) -> None:
+    (folder / name).mkdir(parents=True)
+    (folder / name / "config.json").write_text(json.dumps({"args": {"model": "moe-5m"}, "machine": where}))
+
+
+def _set(folder: Path, name: str, recipe: str, seeds: list[int], verdict: str, needed: int | None,
+         baseline: str = "bf16") -> None:
+    pairs = [{"seed": s, "baseline": f"runs/x/{baseline}_seed{s}", "candidate": f"{recipe}_seed{s}"} for s in seeds]
+    (folder / name).mkdir()
+    (folder / name / "report.json").write_text(json.dumps({
+        "verdict": verdict, "pairs": pairs, "threshold": 0.01, "mean": 0.008, "ci": [0.004, 0.012],
+        "seeds_needed": needed}))
+
+
+def _tree(tmp: Path, where: dict) -> Path:
+    ev = tmp / "v3"
+    m = ev / "moe5m"
+    for s in range(4):
+        _run(m, f"bf16_seed{s}", where)
+    for s in range(3):
+        _run(m, f"nvfp4_zero3_seed{s}", where)
+        _run(m, f"late15_seed{s}", where)
+    _set(m, "seedset_w_2", "nvfp4_zero3", [0, 1], "inconclusive", 9)  # superseded by seedset_3 (listed after it)
+    _set(m, "seedset_3", "nvfp4_zero3", [0, 1, 2], "inconclusive", 5)
+    # decided, yet the kept bf16_seed3 owes its late15 half (as 10M's fourth pair does: >= 4 pairs per set)
+    _set(m, "seedset_late15_3", "late15", [0, 1, 2], "pass", None)
+    _set(m, "seedset_vs", "late15", [0, 1, 2], "inconclusive", 7, baseline="nvfp4_zero3")  # no BF16 twins
+    o = ev / "other"
+    for s in range(2):
+        _run(o, f"bf16_seed{s}", where)
+        _run(o, f"nvfp4_zero3_seed{s}", where)
+    _set(o, "seedset_2", "nvfp4_zero3", [0, 1], "inconclusive", None)
+    return ev
+
+
+def test_owed_runs_unpaired_halves_and_undecided_sets(tmp_path: Path) -> None:
+    ev = _tree(tmp_path, XEON)
+    owed, stuck = pending(ev, here=machine_label({"machine": XEON}))
+    got = [(o.folder, o.run, o.twin, o.set_report) for o in owed]
+    assert got == [("moe5m", "late15_seed3", "bf16_seed3", "moe5m/seedset_late15_3/report.json"),
+                   ("moe5m", "nvfp4_zero3_seed3", "bf16_seed3", "moe5m/seedset_3/report.json"),
+                   ("moe5m", "bf16_seed4", None, "moe5m/seedset_3/report.json"),
+                   ("moe5m", "nvfp4_zero3_seed4", None, "moe5m/seedset_3/report.json")], got
+    assert all(o.here and o.model == "moe-5m" and o.machine == "Intel(R) Xeon(R) Processor (CPU with AMX-BF16)"
+               for o in owed)
+    assert len(stuck) == 1 and stuck[0].startswith("other/seedset_2/report.json: inconclusive on 2 pairs"), stuck
+    assert not any(o.here for o in pending(ev, here="AMD EPYC (CPU with AVX512-BF16)")[0])
+
+
+def test_the_command_line_prints_what_to_run_on_this_machine(tmp_path: Path) -> None:
+    ev = _tree(tmp_path, machine())  # the kept runs made on this machine's type
+    r = subprocess.run([sys.executable, "bench/pending.py", "--evidence", str(ev), "--json", str(tmp_path / "p.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(f"cp -r {ev / 'moe5m' / 'bf16_seed3'} runs/pending_moe5m/") == 1, r.stdout
+    assert ('PROTOCOL=v3 MODEL=moe-5m OUT=runs/pending_moe5m RUNS="late15_seed3 nvfp4_zero3_seed3 bf16_seed4 '
+            'nvfp4_zero3_seed4"'
+            in r.stdout), r.stdout
+    kept = json.loads((tmp_path / "p.json").read_text())
+    assert len(kept["owed"]) == 4 and len(kept["undecidable"]) == 1
