@@ -110,7 +110,9 @@ def main() -> None:
     import deepspeed
 
     import ds_nvfp4
+    from ds_nvfp4.zero.teardown import destroy_at_exit
     deepspeed.init_distributed(dist_backend="gloo")
+    destroy_at_exit()  # the BF16 method's plain deepspeed.initialize does not register it (zero/teardown.py)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     cfg = ds_config(args.method, args.base, args.micro)

@@ -16,9 +16,12 @@ def _engines():
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
+    from ds_nvfp4.zero.teardown import destroy_at_exit
+
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(_free_port()))
     deepspeed.init_distributed(dist_backend="gloo")
+    destroy_at_exit()  # plain deepspeed.initialize below: without it a rank may abort at exit (zero/teardown.py)
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3,
                                                                                           "torch_adam": True}},
            "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
