@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from math import comb
 from pathlib import Path
 
 from tqdm import tqdm
@@ -58,6 +59,12 @@ def trial(script: Path, teardown: bool) -> dict:
     return {"rc": r.returncode, "terminate": "terminate called" in r.stdout + r.stderr}
 
 
+def fisher_one_sided(fail_a: int, n_a: int, fail_b: int, n_b: int) -> float:
+    """P(arm a has >= fail_a of the fail_a + fail_b failures) when the arms do not differ (Fisher's exact test)."""
+    k = fail_a + fail_b
+    return sum(comb(n_a, x) * comb(n_b, k - x) for x in range(fail_a, min(n_a, k) + 1)) / comb(n_a + n_b, k)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=20, help="launches per arm")
@@ -74,9 +81,12 @@ def main() -> None:
     for arm, ts in runs.items():
         print(f"{arm:>8} teardown: {counts[arm]} of {len(ts)} launches failed "
               f"({sum(t['terminate'] for t in ts)} with 'terminate called')")
+    p_value = fisher_one_sided(counts["without"], len(runs["without"]), counts["with"], len(runs["with"]))
+    print(f"one-sided Fisher exact p (the teardown does not lower the failure rate): {p_value:.2g}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"context": context(), "failed": counts, "trials": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({"context": context(), "failed": counts, "fisher_p": p_value,
+                                               "trials": runs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ objects. Interpreter finalization then destroys them from a thread that needs th
 (``terminate called without an active exception``, exit code -6) *after* training, saving and printing have
 finished; the launcher reports the run as failed. torch 2.13 does not guard against it (pytorch/pytorch#190489; an
 ``atexit`` fix in torch, PR #179291, was abandoned). Measured: a 2-rank gloo script doing all-reduce,
-reduce-scatter and all-gather, then exiting, aborted in 12 of 20 runs on a 2-core AMD EPYC (AVX2, no AVX-512) and
-in none of 20 with :func:`destroy_at_exit` (bench/teardown.py; docs/evidence/teardown/).
+reduce-scatter and all-gather, then exiting, aborted in 12 and 4 of 20 launches in two invocations on a 2-core AMD
+EPYC (AVX2, no AVX-512), and in none of 40 with :func:`destroy_at_exit` (one-sided Fisher p = 2e-6 pooled;
+bench/teardown.py, docs/evidence/teardown/).
 
 :func:`destroy_at_exit` registers one ``atexit`` handler per process that calls ``destroy_process_group()`` when
 the default group is still initialized and uses gloo. It does nothing when the script has destroyed the groups

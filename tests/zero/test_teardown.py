@@ -2,7 +2,7 @@
 
 Each case is a real process with a real (1-rank) gloo group. An ``atexit`` handler registered *before*
 ``destroy_at_exit`` runs *after* its handler (atexit is last-in, first-out) and writes whether the default group was
-still initialized. The abort itself is a race (12 of 20 two-rank launches on a 2-core EPYC, none of 20 with the
+still initialized. The abort itself is a race (16 of 40 two-rank launches on a 2-core EPYC, none of 40 with the
 teardown: bench/teardown.py, docs/evidence/teardown/), so a test asserts the mechanism, not the race.
 """
 
