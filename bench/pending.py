@@ -12,7 +12,8 @@ runs beside it, and lists:
 
 For each owed run it says whether this machine is of the required type and, where it is, prints the commands that
 copy the kept twin into a runs folder and train the run with bench/evidence.sh. A set whose newest report says
-pass or fail owes nothing; a set superseded by a larger one of the same recipe is not read.
+pass or fail owes no new pairs (only the other halves of kept runs: every set is meant to reach 4 pairs); a set
+superseded by a larger one of the same recipe is not read.
 
     python bench/pending.py                   # every set under docs/evidence/v3
     python bench/pending.py --json pending.json
@@ -25,6 +26,7 @@ import json
 import re
 import sys
 from dataclasses import asdict, dataclass
+from itertools import count, islice
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,13 +82,13 @@ def pending(evidence: Path, here: str) -> tuple[list[Owed], list[str]]:
     for model_dir in sorted(p for p in evidence.iterdir() if p.is_dir()):
         runs = {p.name: json.loads((p / "config.json").read_text())
                 for p in model_dir.iterdir() if (p / "config.json").exists()}
+        model = _model_name(next(iter(runs.values())), model_dir.name) if runs else model_dir.name
         for recipe, report_path in sorted(_sets(model_dir).items()):
             report = json.loads(report_path.read_text())
             where = str(report_path.relative_to(evidence))
             seeds = sorted(int(SEED.match(_name(p["candidate"]))["seed"]) for p in report["pairs"])
             machines = sorted({machine_label(runs[_name(p["baseline"])]) for p in report["pairs"]
                                if _name(p["baseline"]) in runs})
-            model = _model_name(next(iter(runs.values())), model_dir.name) if runs else model_dir.name
             # unpaired halves: a seed whose one run is kept and whose other is not
             kept_seeds = {int(m["seed"]) for n in runs if (m := SEED.match(n)) and m["recipe"] in ("bf16", recipe)}
             for seed in sorted(kept_seeds - set(seeds)):
@@ -104,9 +106,8 @@ def pending(evidence: Path, here: str) -> tuple[list[Owed], list[str]]:
                              f"the {report['threshold']:.0%} threshold: at this mean no number of seeds decides it; "
                              "another recipe may")
                 continue
-            taken = set(seeds) | kept_seeds
-            new = [s for s in range(max(taken) + 1 + report["seeds_needed"]) if s not in taken]
-            new = new[: max(0, report["seeds_needed"] - len(taken))]
+            taken = set(seeds) | kept_seeds  # a kept half's seed is a pair on its way
+            new = islice((s for s in count() if s not in taken), max(0, report["seeds_needed"] - len(taken)))
             m = machines[0] if len(machines) == 1 else " / ".join(machines)
             why = (f"the set is inconclusive on {len(seeds)} pairs (mean {report['mean']:+.3%}, 95% "
                    f"{report['ci'][0]:+.3%} .. {report['ci'][1]:+.3%}); about {report['seeds_needed']} would decide")

@@ -7,7 +7,10 @@ Accelerate scripts do). "without" leaves the groups to interpreter exit; "with" 
 exits non-zero; the JSON keeps each trial's exit code and whether the output held "terminate called".
 The two arms alternate, so both see the same machine load.
 
-    python bench/teardown.py --trials 20 --json docs/evidence/teardown/abort_at_exit.json
+    python bench/teardown.py --trials 20 --json docs/evidence/teardown/abort_at_exit_N.json
+
+(kept: two invocations, _1 and _2, on a 2-core AMD EPYC without AVX-512; each file's ``command`` names the path
+it was first written to, abort_at_exit.json)
 """
 
 from __future__ import annotations

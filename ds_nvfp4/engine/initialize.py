@@ -68,8 +68,7 @@ def initialize(*args, **kwargs):
         if autohook.SECTION not in ds_config:
             autohook.warn_near_miss(ds_config)
         result = deepspeed_initialize(*args, **kwargs)
-        release_shm_workspace()
-        destroy_at_exit()
+        _process_hygiene()
         return result
 
     ds_config = _effective_ds_config(ds_config, precision)
@@ -105,8 +104,7 @@ def initialize(*args, **kwargs):
     else:
         bound.arguments[where] = ds_config
     engine, optimizer, loader, scheduler = deepspeed_initialize(*bound.args, **bound.kwargs)
-    release_shm_workspace()
-    destroy_at_exit()
+    _process_hygiene()
 
     import deepspeed.comm as dist
 
@@ -156,6 +154,12 @@ def initialize(*args, **kwargs):
                  + (f"\nds_nvfp4 ZeRO-3 traffic per optimizer step and rank: {engine_traffic(engine).describe()}"
                     if state.stage == 3 else ""))
     return engine, optimizer, loader, scheduler
+
+
+def _process_hygiene() -> None:
+    """What ``initialize`` adds after ``deepspeed.initialize`` whether NVFP4 is on or not (collective: every rank)."""
+    release_shm_workspace()
+    destroy_at_exit()
 
 
 def _refuse_nothing_fp4(conversion: ConversionReport, model) -> None:
