@@ -39,7 +39,6 @@ def _tiles(x: torch.Tensor, block: str) -> torch.Tensor:
     return x.view(m // BLOCK_SIZE, BLOCK_SIZE, k // BLOCK_SIZE, BLOCK_SIZE)
 
 
-@compiled
 def block_amax(x: torch.Tensor, block: str) -> torch.Tensor:
     """max |x| per block, float32: [M, nb] for 1x16, [M/16, nb] for 16x16. NaN propagates."""
     # abs() before the blocked view: the other order is one Inductor has miscompiled (see _compile.py).
@@ -49,7 +48,6 @@ def block_amax(x: torch.Tensor, block: str) -> torch.Tensor:
     return t.amax(dim=(1, 3))
 
 
-@compiled
 def scales(bamax: torch.Tensor, amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-tensor and per-block scales from the block amaxes.
 
@@ -73,6 +71,27 @@ def scales(bamax: torch.Tensor, amax: torch.Tensor | None) -> tuple[torch.Tensor
     scale = torch.clamp(bamax * (s_enc * _c(1.0 / 6.0, bamax)), max=E4M3_MAX).to(torch.float8_e4m3fn)
     enc = torch.clamp(_c(1.0, bamax) / (scale.to(_F32) * s_dec), max=FLT_MAX)
     return used, scale, enc
+
+
+def _block_scales_cpp(x: torch.Tensor, block: str,
+                      amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The C++ twin of :func:`block_scales` (``csrc/nvfp4_cpu.cpp``), or None where it does not apply."""
+    ext = _cpu_ext_for(x, x.dtype)
+    if ext is None:
+        return None
+    given = None if amax is None else amax.to(_F32).reshape(()).contiguous()
+    used, scale, enc = ext.block_scales(x, given, 1 if block == "1x16" else BLOCK_SIZE)
+    return used, scale, enc
+
+
+@compiled(native=_block_scales_cpp)
+def block_scales(x: torch.Tensor, block: str,
+                 amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`scales` of :func:`block_amax`: ``(amax, scale, enc)`` of a 2-D ``x`` [M, K], the first step of a
+    storage quantize. One C++ call on CPU; elsewhere the compiled (or eager) composition. The twin spares every
+    process the torch.compile of these two small kernels (seconds per process and argument signature, even with
+    Inductor's on-disk cache warm)."""
+    return scales(block_amax(x, block), amax)
 
 
 def _scaled(x: torch.Tensor, enc: torch.Tensor, block: str) -> torch.Tensor:
@@ -212,7 +231,7 @@ def quantize_operand(x: torch.Tensor, amax: torch.Tensor | None, block: str, dty
                      want_codes: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(values [M, K] dtype, codes [M, K/2] uint8 or empty, scale e4m3 (bamax's shape), amax 0-dim)``: the
     composition block_amax -> scales -> encode_values, i.e. ``ds_nvfp4.quantize`` straight to GEMM operands."""
-    used, scale, enc = scales.fn(block_amax.fn(x, block), amax)
+    used, scale, enc = scales(block_amax(x, block), amax)
     values, codes = encode_values(x, enc, scale, block, dtype, want_codes)
     return values, codes, scale, used
 

@@ -96,7 +96,7 @@ def _quantize_operand_grouped(x: torch.Tensor, tile_group: torch.Tensor, groups:
                               block: str, dtype: torch.dtype, want_codes: bool):
     """The definition: ``(values, codes or empty, scale, used amax [groups])`` (block amaxes, the groups' scales,
     codes and values in the float32 order of ``_kernels``)."""
-    bamax = _kernels.block_amax.fn(x, block)
+    bamax = _kernels.block_amax(x, block)
     local = group_amax(bamax, tile_group, groups)
     used, scale, enc = scales_grouped(bamax, tile_group, local, amax)
     values, codes = _kernels.encode_values(x, enc, scale, block, dtype, want_codes)

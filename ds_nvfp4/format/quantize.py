@@ -79,10 +79,10 @@ def quantize(
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     if not spec.standard:
-        used_amax, scale, data = four_over_six.quantize_2d(x2, _kernels.block_amax.fn(x2, block), amax, block,
+        used_amax, scale, data = four_over_six.quantize_2d(x2, _kernels.block_amax(x2, block), amax, block,
                                                            bound, spec.error)
     else:
-        used_amax, scale, enc = _kernels.scales(_kernels.block_amax(x2, block), amax)
+        used_amax, scale, enc = _kernels.block_scales(x2, block, amax)
         if rounding == "nearest":
             data = _kernels.encode_nearest(x2, enc, block)
         else:

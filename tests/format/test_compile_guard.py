@@ -102,6 +102,34 @@ def test_cpp_encode_matches_eager_bit_for_bit() -> None:
             assert torch.equal(got, want), (dtype, block)
 
 
+def test_cpp_block_scales_match_eager_bit_for_bit() -> None:
+    """The C++ block scales (a storage quantize's first step): both dtypes and layouts, subnormal and saturated
+    scales, all-zero blocks, a given amax (float32 and bfloat16, zero, below max|x|) and a poisoned input."""
+    import pytest
+
+    from ds_nvfp4.format import _compile, _cpu_ext, _kernels
+
+    if _cpu_ext.extension() is None:
+        pytest.skip(_cpu_ext.unavailable_reason or "no C++ extension")
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        for block in ("1x16", "16x16"):
+            x = torch.randn(64, 256, generator=g) * torch.logspace(-30, 2, 64).unsqueeze(1)
+            x[3] = 0.0
+            x[4, :16] = -0.0
+            x = x.to(dtype)
+            amaxes = (None, torch.tensor(3.0), torch.tensor(0.0), torch.tensor(1e-3, dtype=torch.bfloat16),
+                      torch.tensor([250.0]))
+            for amax in amaxes:
+                want = _kernels.block_scales.fn(x, block, amax)
+                got = _kernels._block_scales_cpp(x, block, amax)
+                assert _compile._same_bits(got, want), (dtype, block, amax)
+            bad = x.clone()
+            bad[5, 7] = float("nan")
+            used = _kernels._block_scales_cpp(bad, block, None)[0]
+            assert torch.isnan(used) and torch.isnan(_kernels.block_scales.fn(bad, block, None)[0])
+
+
 def test_cpp_decode_matches_eager_bit_for_bit() -> None:
     """The C++ decode kernel: every code, subnormal and saturated scales, -0 codes, bf16 and fp32 outputs."""
     import pytest

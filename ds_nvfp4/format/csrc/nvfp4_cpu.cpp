@@ -506,8 +506,11 @@ static void scale_blocks(const float* ba, int64_t n, float s_enc6, float s_dec, 
   }
 }
 
-std::vector<torch::Tensor> quantize_operand(torch::Tensor x, c10::optional<torch::Tensor> amax, int64_t row_div,
-                                            bool bf16, bool want_codes) {
+// The block scales of x with its per-tensor amax (given or the max of the block amaxes), the twin of the eager
+// composition _kernels.scales(_kernels.block_amax(x)): returns {scale e4m3 [groups, nb], its float32 values, enc_b
+// float32 [groups, nb], the float32 0-dim amax used (NaN when the input or the given amax is not finite)}.
+static std::vector<torch::Tensor> block_scales_all(const torch::Tensor& x, const c10::optional<torch::Tensor>& amax,
+                                                   int64_t row_div) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 16 == 0, "x: contiguous [M, K], K % 16 == 0");
   const int64_t m = x.size(0), k = x.size(1), nb = k / 16;
   const int64_t groups = (m + row_div - 1) / row_div;
@@ -539,14 +542,24 @@ std::vector<torch::Tensor> quantize_operand(torch::Tensor x, c10::optional<torch
   auto scale = torch::empty({groups, nb}, x.options().dtype(at::kFloat8_e4m3fn));
   auto scale_f = torch::empty({groups, nb}, f32);
   auto enc = torch::empty({groups, nb}, f32);
-  uint8_t* sb = reinterpret_cast<uint8_t*>(scale.data_ptr());
-  float* sf = scale_f.data_ptr<float>();
-  float* ef = enc.data_ptr<float>();
-  scale_blocks(ba, n_blocks, s_enc6, s_dec, sb, sf, ef);
-  auto out = encode_values(x, enc, scale_f, row_div, bf16, want_codes);
-  auto used_t = torch::full({}, used, f32);
-  if (want_codes) return {out[0], out[1], scale, used_t};
-  return {out[0], torch::empty({0}, x.options().dtype(torch::kUInt8)), scale, used_t};
+  scale_blocks(ba, n_blocks, s_enc6, s_dec, reinterpret_cast<uint8_t*>(scale.data_ptr()), scale_f.data_ptr<float>(),
+               enc.data_ptr<float>());
+  return {scale, scale_f, enc, torch::full({}, used, f32)};
+}
+
+// {amax used, scale e4m3, enc_b}: what _kernels.block_scales returns (the storage quantize's first step), without
+// the torch.compile of the eager composition in every process (seconds of start-up per process).
+std::vector<torch::Tensor> block_scales(torch::Tensor x, c10::optional<torch::Tensor> amax, int64_t row_div) {
+  auto s = block_scales_all(x, amax, row_div);
+  return {s[3], s[0], s[2]};
+}
+
+std::vector<torch::Tensor> quantize_operand(torch::Tensor x, c10::optional<torch::Tensor> amax, int64_t row_div,
+                                            bool bf16, bool want_codes) {
+  auto s = block_scales_all(x, amax, row_div);
+  auto out = encode_values(x, s[2], s[1], row_div, bf16, want_codes);
+  if (want_codes) return {out[0], out[1], s[0], s[3]};
+  return {out[0], torch::empty({0}, x.options().dtype(torch::kUInt8)), s[0], s[3]};
 }
 
 // quantize_operand for groups of rows, each group with its own per-tensor amax (MoE: each expert's tokens, or each
@@ -692,6 +705,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("decode", &decode);
   mod.def("encode_values", &encode_values);
   mod.def("encode_stochastic", &encode_stochastic);
+  mod.def("block_scales", &block_scales);
   mod.def("quantize_operand", &quantize_operand);
   mod.def("quantize_operand_grouped", &quantize_operand_grouped);
   mod.def("epilogue", &epilogue);
