@@ -4,6 +4,11 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.ds-nvfp4-installed
+# The venv's tools first on PATH for every process the tests and the demo start: torch's and DeepSpeed's JIT op
+# builds (the CPU shm all-reduce, CPU Adam) run `ninja` from PATH, and two ninja versions alternating (the system's
+# 1.11 for processes started without the venv on PATH, the venv's 1.13 for the launch scripts' ranks) rebuild an op
+# from scratch at every switch: ninja discards a build log another version wrote (~50 s of both cores each time)
+RUN     := PATH="$(abspath $(BIN)):$$PATH"
 
 .PHONY: setup demo test test-fast lint bench clean
 
@@ -18,15 +23,15 @@ $(STAMP): pyproject.toml setup.py ds_nvfp4_autohook.pth
 setup: $(STAMP)
 
 demo: $(STAMP)
-	bash launch/demo.sh
+	$(RUN) bash launch/demo.sh
 
 test: $(STAMP)
 	$(BIN)/ruff check .
 	bash tests/cluster/setup.sh
-	$(BIN)/python -m pytest
+	$(RUN) $(BIN)/python -m pytest
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m 'not slow'
+	$(RUN) $(BIN)/python -m pytest -m 'not slow'
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

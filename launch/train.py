@@ -356,9 +356,13 @@ def _weight_bytes(all_storage: list, engine) -> int:
 def _mpi_env_to_torch_env() -> None:
     """Under plain `mpirun` or `srun` (no deepspeed launcher), map the rank variables to torch's.
 
-    Under mpirun without MASTER_ADDR/MASTER_PORT, rank 0's address (on GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME when
-    set) and a free port on it are broadcast with mpi4py. DeepSpeed's own MPI discovery would take the first
-    ``hostname -I`` address and the fixed port 29500, which another job may hold.
+    Under mpirun without MASTER_ADDR/MASTER_PORT, rank 0 starts torch's TCP store on a port the OS assigns, on its
+    address on GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME when set, and broadcasts address and port with mpi4py; every
+    rank then joins the process group through that store (DeepSpeed finds it initialized). The store listens
+    before its port is published: a port picked free and released can be taken by another socket before the
+    store binds it (seen under mpirun on a loaded host: EADDRINUSE on rank 0, its peer waiting until the job's
+    timeout). DeepSpeed's own MPI discovery would take the first ``hostname -I`` address and the fixed port 29500,
+    which another job may hold.
     """
     for prefix, names in (("OMPI_COMM_WORLD_", ("RANK", "SIZE", "LOCAL_RANK")),
                           ("SLURM_", ("PROCID", "NTASKS", "LOCALID"))):
@@ -371,13 +375,23 @@ def _mpi_env_to_torch_env() -> None:
         except ImportError:
             raise SystemExit("train.py under mpirun needs MASTER_ADDR and MASTER_PORT (mpirun -x ...) or mpi4py "
                              "to agree on them (pip install 'ds-nvfp4[mpi]')") from None
+        from deepspeed.constants import default_pg_timeout
+
         comm = MPI.COMM_WORLD
-        found = None
-        if comm.Get_rank() == 0:
-            found = (_local_address(), _free_port())
+        rank, world = comm.Get_rank(), comm.Get_size()
+        store, found = None, None
+        if rank == 0:
+            address = _local_address()
+            store = torch.distributed.TCPStore(address, 0, world, True, timeout=default_pg_timeout,
+                                               wait_for_workers=False)
+            found = (address, store.port)
             print(f"MPI discovery (mpi4py): MASTER_ADDR={found[0]} MASTER_PORT={found[1]}", flush=True)
-        os.environ["MASTER_ADDR"], port = comm.bcast(found, root=0)
-        os.environ["MASTER_PORT"] = str(port)
+        address, port = comm.bcast(found, root=0)
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
+        if store is None:
+            store = torch.distributed.TCPStore(address, port, world, False, timeout=default_pg_timeout)
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store,
+                                             rank=rank, world_size=world, timeout=default_pg_timeout)
 
 
 def _local_address() -> str:
@@ -395,12 +409,6 @@ def _local_address() -> str:
             raise SystemExit(f"socket interface {iface!r} (GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME) has no IPv4 "
                              f"address on {socket.gethostname()}: {exc}") from None
     return socket.inet_ntoa(packed[20:24])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _where() -> dict:
