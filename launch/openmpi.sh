@@ -29,8 +29,8 @@ case "$MODE" in
     np=${NP:-$(grep -v -E '^\s*(#|$)' "$HOSTFILE" | sed -E 's/.*slots=([0-9]+).*/\1/' | awk '{s += $1} END {print s}')}
     mpi_hosts=$(mktemp)
     grep -v -E '^\s*(#|$)' "$HOSTFILE" > "$mpi_hosts"
-    # Rendezvous: MASTER_ADDR/MASTER_PORT when you set them, else train.py asks mpi4py (rank 0's address on
-    # GLOO_SOCKET_IFNAME and a free port, broadcast); DeepSpeed's own discovery would use port 29500 unconditionally.
+    # Rendezvous: MASTER_ADDR/MASTER_PORT when you set them, else train.py asks mpi4py (rank 0's TCP store on its
+    # GLOO_SOCKET_IFNAME address and an OS-assigned port, broadcast); DeepSpeed's own discovery would use port 29500.
     # shellcheck disable=SC2086
     cmd=(mpirun -np "$np" --hostfile "$mpi_hosts" $mpi_args
          ${MASTER_ADDR:+-x MASTER_ADDR="$MASTER_ADDR"} ${MASTER_PORT:+-x MASTER_PORT="$MASTER_PORT"}
