@@ -7,7 +7,8 @@ STAMP   := $(VENV)/.ds-nvfp4-installed
 # The venv's tools first on PATH for every process the tests and the demo start: torch's and DeepSpeed's JIT op
 # builds (the CPU shm all-reduce, CPU Adam) run `ninja` from PATH, and two ninja versions alternating (the system's
 # 1.11 for processes started without the venv on PATH, the venv's 1.13 for the launch scripts' ranks) rebuild an op
-# from scratch at every switch: ninja discards a build log another version wrote (~50 s of both cores each time)
+# from scratch at every switch: ninja discards a build log another version wrote (`ninja -d explain`: "command
+# line not found in log")
 RUN     := PATH="$(abspath $(BIN)):$$PATH"
 
 .PHONY: setup demo test test-fast lint bench clean
