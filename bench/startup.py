@@ -44,6 +44,15 @@ print(json.dumps({"seconds": seconds, "graphs": graphs, "package": ds_nvfp4.__fi
 """
 
 
+def commit_of(checkout: Path) -> str:
+    """The checkout's short commit (``+dirty`` with uncommitted changes): what the kept JSON names, not a path."""
+    git = ["git", "-C", str(checkout)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
+    return (head or "not a git checkout") + ("+dirty" if dirty else "")
+
+
 def one(checkout: Path) -> dict:
     """One fresh process with ``checkout`` first on the path: its report plus its CPU seconds."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -54,8 +63,8 @@ def one(checkout: Path) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"the snippet failed with {checkout} on the path:\n{done.stderr[-3000:]}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    if not out["package"].startswith(str(checkout)):
-        raise SystemExit(f"{checkout}: the child imported ds_nvfp4 from {out['package']}")
+    if not out.pop("package").startswith(str(checkout)):
+        raise SystemExit(f"{checkout}: the child imported ds_nvfp4 from elsewhere")
     out["cpu_seconds"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     return out
 
@@ -78,7 +87,9 @@ def main() -> None:
         print(f"{name:>14}: first quantizations {s['seconds']:.2f} s (median of {args.trials}), process CPU "
               f"{s['cpu_seconds']:.1f} s, Dynamo graphs {s['graphs']:.0f}  [{arms[name]}]")
     if args.json:
-        payload = {**context(), "arms": {k: str(v) for k, v in arms.items()}, "trials": trials, "median": summary}
+        payload = {**context(), "arms": {k: commit_of(v) for k, v in arms.items()}, "trials": trials,
+                   "median": summary}
+        payload["command"] = payload["command"].replace(str(args.baseline), "BASELINE_CHECKOUT")
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(payload, indent=1) + "\n")
 

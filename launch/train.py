@@ -103,8 +103,9 @@ def main() -> None:
     args = parse_args()
     import deepspeed
 
-    _mpi_env_to_torch_env()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    _rendezvous_without_a_launcher(backend)
+    deepspeed.init_distributed(dist_backend=backend)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if torch.cuda.is_available():
         torch.cuda.set_device(args.local_rank)
@@ -353,7 +354,7 @@ def _weight_bytes(all_storage: list, engine) -> int:
     return int(sum(getattr(p, "ds_tensor", p).numel() * 2 for p in engine.module.parameters()))
 
 
-def _mpi_env_to_torch_env() -> None:
+def _rendezvous_without_a_launcher(backend: str) -> None:
     """Under plain `mpirun` or `srun` (no deepspeed launcher), map the rank variables to torch's.
 
     Under mpirun without MASTER_ADDR/MASTER_PORT, rank 0 starts torch's TCP store on a port the OS assigns, on its
@@ -390,8 +391,8 @@ def _mpi_env_to_torch_env() -> None:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
         if store is None:
             store = torch.distributed.TCPStore(address, port, world, False, timeout=default_pg_timeout)
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store,
-                                             rank=rank, world_size=world, timeout=default_pg_timeout)
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                             timeout=default_pg_timeout)
 
 
 def _local_address() -> str:

@@ -80,8 +80,7 @@ def _block_scales_cpp(x: torch.Tensor, block: str,
     if ext is None:
         return None
     given = None if amax is None else amax.to(_F32).reshape(()).contiguous()
-    used, scale, enc = ext.block_scales(x, given, 1 if block == "1x16" else BLOCK_SIZE)
-    return used, scale, enc
+    return tuple(ext.block_scales(x, given, 1 if block == "1x16" else BLOCK_SIZE))
 
 
 @compiled(native=_block_scales_cpp)
