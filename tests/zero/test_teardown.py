@@ -3,7 +3,9 @@
 Each case is a real process with a real (1-rank) gloo group. An ``atexit`` handler registered *before*
 ``destroy_at_exit`` runs *after* its handler (atexit is last-in, first-out) and writes whether the default group was
 still initialized. The abort itself is a race (16 of 40 two-rank launches on a 2-core EPYC, none of 40 with the
-teardown: bench/teardown.py, docs/evidence/teardown/), so a test asserts the mechanism, not the race.
+teardown: bench/teardown.py, docs/evidence/teardown/), so a test asserts the mechanism, not the race. A case that
+leaves the group alive may lose that race even with one rank (CI saw the control abort once), so there the abort is
+an allowed ending; where the teardown ran, it is not.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ def _still_initialized_at_exit(tmp_path: Path, *flags: str) -> tuple[bool, subpr
     return json.loads(out.read_text()), r
 
 
+def _ended(r: subprocess.CompletedProcess, code: int) -> bool:
+    """Exit code ``code``, or the gloo abort at interpreter finalization that a live group races into."""
+    return r.returncode == code or (r.returncode == -6 and "terminate called without an active exception" in r.stderr)
+
+
 def test_groups_destroyed_at_a_normal_exit(tmp_path: Path) -> None:
     alive, r = _still_initialized_at_exit(tmp_path, "teardown")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -50,7 +57,7 @@ def test_groups_destroyed_at_a_normal_exit(tmp_path: Path) -> None:
 def test_without_it_the_groups_reach_interpreter_exit(tmp_path: Path) -> None:
     """The control: what the race needs (the groups alive when the interpreter is finalized)."""
     alive, r = _still_initialized_at_exit(tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert _ended(r, 0), r.stderr[-3000:]
     assert alive is True
 
 
@@ -58,5 +65,5 @@ def test_without_it_the_groups_reach_interpreter_exit(tmp_path: Path) -> None:
 def test_left_alone_after_an_unhandled_exception(tmp_path: Path, flags: tuple[str, ...]) -> None:
     """A peer may still wait in a collective: destroying the group would wait for its queued work."""
     alive, r = _still_initialized_at_exit(tmp_path, "raise", *flags)
-    assert r.returncode == 1 and "the script died" in r.stderr  # the user's traceback still printed
+    assert _ended(r, 1) and "the script died" in r.stderr  # the user's traceback still printed
     assert alive is True
