@@ -10,6 +10,11 @@ STAMP   := $(VENV)/.ds-nvfp4-installed
 # from scratch at every switch: ninja discards a build log another version wrote (`ninja -d explain`: "command
 # line not found in log")
 RUN     := PATH="$(abspath $(BIN)):$$PATH"
+# Two pytest-xdist workers: one alone keeps 2 cores ~70% busy (most of a test is a process starting and importing
+# torch). `loadfile` keeps a module on one worker, so its module-scoped fixtures (trained runs, exports) are built
+# once. (`loadgroup` would also do, but xdist 3.8's groups are lost under pytest 9.2: pytest-xdist#1386.)
+# XDIST= (empty) runs the suite in one process.
+XDIST   ?= -n 2 --dist loadfile
 
 .PHONY: setup demo test test-fast lint bench clean
 
@@ -29,10 +34,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	bash tests/cluster/setup.sh
-	$(RUN) $(BIN)/python -m pytest
+	$(RUN) $(BIN)/python -m pytest $(XDIST)
 
 test-fast: $(STAMP)
-	$(RUN) $(BIN)/python -m pytest -m 'not slow'
+	$(RUN) $(BIN)/python -m pytest $(XDIST) -m 'not slow'
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -56,13 +56,23 @@ def wait_all(procs: list[subprocess.Popen], timeout: float, grace: float = 30.0)
 
 
 def spawn_ranks(cmd: list[str], world_size: int, logdir: Path, timeout: int) -> None:
-    """Run ``cmd`` once per rank with the launcher's environment; raise with every rank's log on any failure."""
-    port = free_port()
+    """Run ``cmd`` once per rank with the launcher's environment; raise with every rank's log on any failure.
+
+    The rendezvous store is hosted here, on a port the OS assigns, and every rank joins it as a client (what
+    torchrun's agent does: ``TORCHELASTIC_USE_AGENT_STORE``). A port picked free and released for rank 0 to bind
+    can be taken meanwhile (another test's gloo connection, with pytest-xdist another worker's), and rank 0's
+    EADDRINUSE then leaves its peer waiting until the timeout.
+    """
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+                   TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                   PYTHONPATH=str(ROOT))
         log = open(logdir / f"rank{rank}.log", "w")  # noqa: SIM115 (closed after the process ends)
         procs.append((subprocess.Popen([c.replace("{rank}", str(rank)) for c in cmd], env=env, stdout=log,
                                        stderr=subprocess.STDOUT, cwd=ROOT), log))
@@ -74,6 +84,7 @@ def spawn_ranks(cmd: list[str], world_size: int, logdir: Path, timeout: int) -> 
         log.close()
     # a rank killed before ds_nvfp4.initialize unlinked its shm all-reduce segment leaves 69 MB of RAM behind
     remove_stale_workspaces("127.0.0.1", port, world_size)
+    del store  # the port stays taken until every rank is gone
     if failed:
         logs = "\n".join(f"--- rank {r} ---\n" + (logdir / f"rank{r}.log").read_text()[-6000:]
                          for r in range(world_size))
