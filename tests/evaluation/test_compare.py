@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.cli_in_process import run_cli
 
 MACHINE = {"device": "cpu", "name": "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", "bf16_gemm": "CPU with AMX-BF16"}
 
@@ -43,8 +44,7 @@ def make_run(path: Path, batch_losses: list[float], *, seed: int = 0, steps: int
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ds_nvfp4", "compare", *args], capture_output=True, text=True,
-                          timeout=120)
+    return run_cli("compare", *args)
 
 
 BASE = list(np.random.default_rng(0).normal(2.5, 0.05, 32))

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.cli_in_process import run_cli
 from tests.ranks import run_ranks
 from tests.reference import VALUES, expand, ref_dequantize, ref_quantize
 from tests.zero.engines import scenario_save
@@ -28,7 +27,7 @@ def checkpoint(tmp_path_factory) -> Path:
 def test_bf16_export_is_what_the_forward_multiplied(checkpoint: Path, tmp_path: Path) -> None:
     """Independent of the export's own reader: the weights gathered for the training forward, bit for bit."""
     seen = torch.load(checkpoint.parent / "forward_weights.pt")
-    assert cli("export", str(checkpoint), str(tmp_path), "--format", "bf16").returncode == 0
+    assert run_cli("export", str(checkpoint), str(tmp_path), "--format", "bf16").returncode == 0
     out = load_file(tmp_path / "model.safetensors")
     meta = json.loads((checkpoint / "step3" / "ds_nvfp4.json").read_text())
     assert meta["stored_bf16"] == ["odd"] and len(seen) == 8  # odd's 24-row partitions cut 16x16 tiles
@@ -49,10 +48,6 @@ def masters(checkpoint: Path) -> tuple[dict, dict]:
     return sd, meta.nvfp4_layers()
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ds_nvfp4", *args], capture_output=True, text=True, timeout=300)
-
-
 def reference(w: torch.Tensor, block: str):
     return ref_quantize(w, block, amax=w.abs().max())
 
@@ -69,7 +64,7 @@ def test_layers_from_metadata(masters) -> None:
 
 def test_bf16_export(checkpoint: Path, masters, tmp_path: Path) -> None:
     sd, layers = masters
-    r = cli("export", str(checkpoint), str(tmp_path), "--format", "bf16")
+    r = run_cli("export", str(checkpoint), str(tmp_path), "--format", "bf16")
     assert r.returncode == 0, r.stderr
     out = load_file(tmp_path / "model.safetensors")
     for key, w in sd.items():
@@ -83,7 +78,7 @@ def test_bf16_export(checkpoint: Path, masters, tmp_path: Path) -> None:
 
 def test_modelopt_export(checkpoint: Path, masters, tmp_path: Path) -> None:
     sd, layers = masters
-    assert cli("export", str(checkpoint), str(tmp_path), "--format", "nvfp4-modelopt").returncode == 0
+    assert run_cli("export", str(checkpoint), str(tmp_path), "--format", "nvfp4-modelopt").returncode == 0
     out = load_file(tmp_path / "model.safetensors")
     cfg = json.loads((tmp_path / "hf_quant_config.json").read_text())
     assert cfg["quantization"]["quant_algo"] == "NVFP4" and "lm_head" in cfg["quantization"]["exclude_modules"]
@@ -122,7 +117,7 @@ def test_compressed_tensors_export_reloads_with_the_library(checkpoint: Path, ma
     from compressed_tensors.quantization import QuantizationConfig
 
     sd, layers = masters
-    assert cli("export", str(checkpoint), str(tmp_path), "--format", "nvfp4-compressed-tensors").returncode == 0
+    assert run_cli("export", str(checkpoint), str(tmp_path), "--format", "nvfp4-compressed-tensors").returncode == 0
     out = load_file(tmp_path / "model.safetensors")
     qc = QuantizationConfig.model_validate(json.loads((tmp_path / "config.json").read_text())["quantization_config"])
     scheme = qc.config_groups["group_0"]
@@ -140,27 +135,27 @@ def test_compressed_tensors_export_reloads_with_the_library(checkpoint: Path, ma
 
 
 def test_export_errors(checkpoint: Path, tmp_path: Path) -> None:
-    r = cli("export", str(tmp_path / "nope"), str(tmp_path / "out"), "--format", "bf16")
+    r = run_cli("export", str(tmp_path / "nope"), str(tmp_path / "out"), "--format", "bf16")
     assert r.returncode == 2 and "not a directory" in r.stderr
     (tmp_path / "ck" / "t1").mkdir(parents=True)
     (tmp_path / "ck" / "t1" / "mp_rank_00_model_states.pt").write_bytes(b"")
-    r = cli("export", str(tmp_path / "ck"), str(tmp_path / "out"), "--format", "bf16", "--tag", "t1")
+    r = run_cli("export", str(tmp_path / "ck"), str(tmp_path / "out"), "--format", "bf16", "--tag", "t1")
     assert r.returncode == 2 and "ds_nvfp4.json: missing" in r.stderr
     # a missing tag lists the tags that exist
-    r = cli("export", str(checkpoint), str(tmp_path / "out"), "--format", "bf16", "--tag", "step9")
+    r = run_cli("export", str(checkpoint), str(tmp_path / "out"), "--format", "bf16", "--tag", "step9")
     assert r.returncode == 2 and "no checkpoint tag 'step9'" in r.stderr and "step3" in r.stderr, r.stderr
     # OUT is a file: a clear error, the file untouched
     (tmp_path / "file").write_text("keep")
-    r = cli("export", str(checkpoint), str(tmp_path / "file"), "--format", "bf16")
+    r = run_cli("export", str(checkpoint), str(tmp_path / "file"), "--format", "bf16")
     assert r.returncode == 2 and "is a file" in r.stderr and (tmp_path / "file").read_text() == "keep"
     # an existing non-empty OUT is refused; --force replaces it whole (no stale config.json left behind)
     out = tmp_path / "existing"
     out.mkdir()
     (out / "config.json").write_text("{}")
-    r = cli("export", str(checkpoint), str(out), "--format", "nvfp4-modelopt")
+    r = run_cli("export", str(checkpoint), str(out), "--format", "nvfp4-modelopt")
     assert r.returncode == 2 and "not empty" in r.stderr and "--force" in r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
-    r = cli("export", str(checkpoint), str(out), "--format", "nvfp4-modelopt", "--force")
+    r = run_cli("export", str(checkpoint), str(out), "--format", "nvfp4-modelopt", "--force")
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["hf_quant_config.json", "model.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folders left behind"
