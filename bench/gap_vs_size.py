@@ -102,10 +102,17 @@ def plot(pts: list[dict], path: Path, threshold: float = 0.01, variants: list[di
         # nudged sideways (x1.04 per series, log axis) so points at one size do not hide each other's bars
         xv = [v["params"] / 1e6 * 1.04 ** (i + 1) for v in vs]
         yv = [100 * v["gap"] for v in vs]
+        seed_sets = all("pair_gaps" in v for v in vs)
         ax.errorbar(xv, yv, yerr=_yerr(vs), fmt="s--" if len(vs) > 1 else "s", capsize=4, color=c, alpha=0.8,
-                    label=f"{label}, 95% CI")
+                    label=f"{label}: mean paired gap over seeds, 95% t interval" if seed_sets
+                    else f"{label}, 95% CI")
         for x, y, v in zip(xv, yv, vs):
-            ax.annotate(f"{v['gap']:+.2%}", (x, y), textcoords="offset points", xytext=(6, -10), fontsize=7, color=c)
+            note = f" ({v['verdict']}, {len(v['pair_gaps'])} seeds)" if "pair_gaps" in v else ""
+            ax.annotate(f"{v['gap']:+.2%}{note}", (x, y), textcoords="offset points", xytext=(6, -10), fontsize=7,
+                        color=c)
+            if "pair_gaps" in v:
+                ax.scatter([x * 1.02] * len(v["pair_gaps"]), [100 * g for g in v["pair_gaps"]], s=10, color=c,
+                           alpha=0.45)
     ax.axhline(100 * threshold, color="gray", ls="--", label=f"acceptance threshold {threshold:.0%}")
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xscale("log")
