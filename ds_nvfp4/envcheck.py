@@ -109,7 +109,7 @@ def software() -> dict[str, Any]:
     }
 
 
-def allocator(probe_mib: int = 64, repeats: int = 5) -> dict[str, Any]:
+def allocator(probe_mib: int = 64, repeats: int = 9) -> dict[str, Any]:
     """Whether a large CPU tensor, freed and allocated again, comes back without page faults.
 
     glibc's malloc serves every block over 32 MiB (its largest mmap threshold) with a fresh ``mmap`` and returns it
@@ -117,7 +117,8 @@ def allocator(probe_mib: int = 64, repeats: int = 5) -> dict[str, Any]:
     a time, on every use. On a CPU that costs more than the arithmetic of a quantize pass: the emulated FP4 paths
     allocate more such temporaries than BF16 and pay most of their overhead there (docs/benchmarks.md, "CPU
     allocator"). Measured here: the milliseconds to write ``probe_mib`` MiB into a freshly allocated tensor against
-    writing into one already touched (min of ``repeats``).
+    writing into one already touched (min of ``repeats``, the two alternating so that a busy machine slows both
+    alike: timed one after the other, 3-4 busy processes on 2 cores once made a reusing allocator look faulting).
 
     Returns ``{"name", "env" (the MALLOC_* variables set), "fresh_ms", "reused_ms", "reuses" (fresh within 2x of
     reused), "advice" (str, or None when nothing to do)}``.
@@ -130,14 +131,13 @@ def allocator(probe_mib: int = 64, repeats: int = 5) -> dict[str, Any]:
 
     buf = torch.empty(n, dtype=torch.uint8)
     buf.fill_(0)
-    timed = {}
-    for key, fn in (("fresh_ms", fresh), ("reused_ms", lambda: buf.fill_(1))):
-        best = float("inf")
-        for _ in range(repeats):
+    best = {"fresh_ms": float("inf"), "reused_ms": float("inf")}
+    for _ in range(repeats):
+        for key, fn in (("fresh_ms", fresh), ("reused_ms", lambda: buf.fill_(1))):
             t0 = time.perf_counter()
             fn()
-            best = min(best, time.perf_counter() - t0)
-        timed[key] = round(best * 1e3, 3)
+            best[key] = min(best[key], time.perf_counter() - t0)
+    timed = {key: round(s * 1e3, 3) for key, s in best.items()}
     name = allocator_name()
     env = allocator_env()
     reuses = timed["fresh_ms"] <= 2 * timed["reused_ms"]
