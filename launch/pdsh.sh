@@ -10,8 +10,11 @@ check_hostfile "${HOSTFILE:-}"
 need_cmd pdsh "apt-get install pdsh"
 check_ssh "$HOSTFILE"
 check_iface "${GLOO_SOCKET_IFNAME:-${NCCL_SOCKET_IFNAME:-}}" "$HOSTFILE"
+generated_env=
 if [ -z "${DS_ENV_FILE:-}" ]; then  # pdsh ranks see only this file's variables (plus PYTHON*): generate one
   DS_ENV_FILE=$(mktemp -t ds-nvfp4-env.XXXXXX)
+  generated_env=1
+  trap 'rm -f "$DS_ENV_FILE"' EXIT  # a check below may stop the script
   write_deepspeed_env "$DS_ENV_FILE"
 fi
 [ -s "$DS_ENV_FILE" ] || die "DS_ENV_FILE=$DS_ENV_FILE is missing or empty"
@@ -25,4 +28,13 @@ cmd=("$BIN/deepspeed" --hostfile "$HOSTFILE" --master_port "$port" "$SCRIPT" --d
 [ -n "${NUM_GPUS:-}" ] && cmd=("$BIN/deepspeed" --hostfile "$HOSTFILE" --num_gpus "$NUM_GPUS" --master_port "$port"
   "$SCRIPT" --deepspeed_config "$CONFIG" "$@")
 echo "running: ${cmd[*]}"
-exec "${cmd[@]}"
+[ -z "$generated_env" ] && exec "${cmd[@]}"
+# The generated file is removed when the launcher ends, however it ends: it runs as a child (the launcher reads the
+# file only when it starts); SIGTERM, SIGINT and SIGHUP are passed on to it (a child started with & ignores SIGINT)
+"${cmd[@]}" &
+launcher=$!
+trap 'kill -TERM "$launcher" 2>/dev/null' TERM INT HUP
+status=0
+wait "$launcher" || status=$?
+while kill -0 "$launcher" 2>/dev/null; do wait "$launcher" || status=$?; done
+exit "$status"

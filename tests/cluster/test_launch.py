@@ -108,11 +108,15 @@ def env_checked_on_both_hosts(log: str) -> None:
 
 def test_pdsh_hostfile(cluster: Cluster, data: Path) -> None:
     need("pdsh")
-    out = cluster.root / "run-pdsh"
-    log = run_script(cluster.hosts[0], "pdsh.sh", data, out, HOSTFILE=str(cluster.root / "hostfile"))
+    out, tmp = cluster.root / "run-pdsh", cluster.root / "tmp-pdsh"
+    tmp.mkdir()
+    log = run_script(cluster.hosts[0], "pdsh.sh", data, out, HOSTFILE=str(cluster.root / "hostfile"),
+                     TMPDIR=str(tmp))
     check_two_hosts(out, log)
     assert "n1: " in log and "n2: " in log  # pdsh prefixes every remote line with its host
     assert "GLOO_SOCKET_IFNAME=dsnv0" in log  # the generated .deepspeed_env is shown
+    assert f"environment for the ranks ({tmp}/ds-nvfp4-env." in log
+    assert not list(tmp.iterdir()), "the generated DS_ENV_FILE was left behind"
     env_checked_on_both_hosts(log)
 
 
