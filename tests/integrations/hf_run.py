@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from tests.ranks import free_port
@@ -43,11 +44,24 @@ def env() -> dict[str, str]:
             "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
 
 
-def launch(cmd: list[str], log: Path) -> str:
-    """Run a launcher command to completion (bounded); its output goes to ``log``; fail with its tail."""
+#: what a rank prints when gloo's threads are destroyed during interpreter finalization (pytorch/pytorch#190489;
+#: ds_nvfp4/zero/teardown.py)
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def launch(cmd: list[str], log: Path, allow_exit_abort: bool = False) -> str:
+    """Run a launcher command to completion (bounded); its output goes to ``log``; fail with its tail.
+
+    ``allow_exit_abort``: a rank's abort at interpreter exit is let through with a warning (the caller then checks
+    that every rank wrote its results first). Only for scripts that destroy the process group themselves, where
+    ds_nvfp4's exit-time teardown has nothing left to do, and the abort still came once (docs/integrations.md)."""
     with open(log, "w") as fh:
         r = subprocess.run(cmd, cwd=ROOT, env=env(), stdout=fh, stderr=subprocess.STDOUT, timeout=TIMEOUT)
     text = log.read_text()
+    if r.returncode != 0 and allow_exit_abort and EXIT_ABORT in text and "Traceback" not in text.split(EXIT_ABORT)[0]:
+        warnings.warn(f"{' '.join(cmd[:2])}: a rank aborted at interpreter exit after its work ({EXIT_ABORT})",
+                      stacklevel=2)
+        return text
     assert r.returncode == 0, f"{' '.join(cmd[:3])} failed ({r.returncode}):\n{text[-6000:]}"
     return text
 
