@@ -10,11 +10,10 @@ STAMP   := $(VENV)/.ds-nvfp4-installed
 # from scratch at every switch: ninja discards a build log another version wrote (`ninja -d explain`: "command
 # line not found in log")
 RUN     := PATH="$(abspath $(BIN)):$$PATH"
-# Two pytest-xdist workers: one alone keeps 2 cores ~70% busy (most of a test is a process starting and importing
-# torch). `loadfile` keeps a module on one worker, so its module-scoped fixtures (trained runs, exports) are built
-# once. (`loadgroup` would also do, but xdist 3.8's groups are lost under pytest 9.2: pytest-xdist#1386.)
-# XDIST= (empty) runs the suite in one process.
-XDIST   ?= -n 2 --dist loadfile
+# One pytest process by default. XDIST="-n 2 --dist loadfile" make test runs two pytest-xdist workers (20:24 against
+# 26:55 on a 2-core EPYC), but two of three full runs with them failed a load-sensitive test (the allocator probe of
+# `ds-nvfp4 env`, a gloo abort at exit): not the default until those are robust.
+XDIST   ?=
 
 .PHONY: setup demo test test-fast lint bench clean
 
