@@ -25,6 +25,9 @@ import sys
 
 log = logging.getLogger("ds_nvfp4")
 
+#: what a process prints when it loses the race (C++ std::terminate; exit code -6)
+EXIT_ABORT = "terminate called without an active exception"
+
 _state = {"registered": False}
 
 

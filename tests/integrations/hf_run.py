@@ -9,6 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from ds_nvfp4.zero.teardown import EXIT_ABORT
 from tests.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,11 +43,6 @@ def env() -> dict[str, str]:
     keep = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
     return {**keep, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
             "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
-
-
-#: what a rank prints when gloo's threads are destroyed during interpreter finalization (pytorch/pytorch#190489;
-#: ds_nvfp4/zero/teardown.py)
-EXIT_ABORT = "terminate called without an active exception"
 
 
 def launch(cmd: list[str], log: Path, allow_exit_abort: bool = False) -> str:
