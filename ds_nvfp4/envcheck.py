@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -116,14 +117,23 @@ def allocator(probe_mib: int = 64, repeats: int = 9) -> dict[str, Any]:
     on free, so each such temporary (an operand's values, a GEMM output) is page-faulted in again, one 4 KiB page at
     a time, on every use. On a CPU that costs more than the arithmetic of a quantize pass: the emulated FP4 paths
     allocate more such temporaries than BF16 and pay most of their overhead there (docs/benchmarks.md, "CPU
-    allocator"). Measured here: the milliseconds to write ``probe_mib`` MiB into a freshly allocated tensor against
-    writing into one already touched (min of ``repeats``, the two alternating so that a busy machine slows both
-    alike: timed one after the other, 3-4 busy processes on 2 cores once made a reusing allocator look faulting).
+    allocator").
 
-    Returns ``{"name", "env" (the MALLOC_* variables set), "fresh_ms", "reused_ms", "reuses" (fresh within 2x of
-    reused), "advice" (str, or None when nothing to do)}``.
+    Decided by counting, not timing: the minor page faults (``getrusage``, this process) of writing ``probe_mib`` MiB
+    into a freshly allocated tensor, fewest of ``repeats``. A reusing allocator hands back pages already mapped (0
+    faults after the first allocation); glibc's default faults every 4 KiB page in again (``probe_mib * 256``), or
+    every 2 MiB huge page where transparent huge pages are always on, which costs 512x less and counts as reusing
+    here. A count is the same on a busy machine; the milliseconds, kept for the message, are not (timed, 3-4 busy
+    processes on 2 cores once made a reusing allocator look faulting).
+
+    Returns ``{"name", "env" (the MALLOC_* variables set), "fresh_faults" (page faults per fresh write),
+    "fresh_ms", "reused_ms" (min of ``repeats`` each, alternating), "reuses" (fewer than one fault per 256 KiB
+    written), "advice" (str, or None when nothing to do)}``.
     """
     n = probe_mib << 20
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     def fresh() -> None:
         t = torch.empty(n, dtype=torch.uint8)
@@ -132,23 +142,27 @@ def allocator(probe_mib: int = 64, repeats: int = 9) -> dict[str, Any]:
     buf = torch.empty(n, dtype=torch.uint8)
     buf.fill_(0)
     best = {"fresh_ms": float("inf"), "reused_ms": float("inf")}
+    fresh_faults = n
     for _ in range(repeats):
         for key, fn in (("fresh_ms", fresh), ("reused_ms", lambda: buf.fill_(1))):
-            t0 = time.perf_counter()
+            f0, t0 = faults(), time.perf_counter()
             fn()
             best[key] = min(best[key], time.perf_counter() - t0)
+            if key == "fresh_ms":
+                fresh_faults = min(fresh_faults, faults() - f0)
     timed = {key: round(s * 1e3, 3) for key, s in best.items()}
     name = allocator_name()
     env = allocator_env()
-    reuses = timed["fresh_ms"] <= 2 * timed["reused_ms"]
+    reuses = fresh_faults < probe_mib * 4
     advice = None
     if not reuses:
-        advice = (f"each freed buffer over 32 MiB is page-faulted in again ({timed['fresh_ms']:.1f} ms against "
-                  f"{timed['reused_ms']:.1f} ms to rewrite {probe_mib} MiB): "
+        advice = (f"each freed buffer over 32 MiB is page-faulted in again ({fresh_faults} page faults and "
+                  f"{timed['fresh_ms']:.1f} ms to write {probe_mib} MiB afresh, against {timed['reused_ms']:.1f} ms "
+                  "to rewrite it): "
                   + (f"start the processes with {_REUSE_SETTING} (multi-node: in .deepspeed_env)"
                      if name.startswith("glibc") else f"with {name}, its own settings decide; glibc with "
                      f"{_REUSE_SETTING} reuses them") + f"; {_REUSE_EFFECT}")
-    return {"name": name, "env": env, **timed, "reuses": reuses, "advice": advice}
+    return {"name": name, "env": env, "fresh_faults": fresh_faults, **timed, "reuses": reuses, "advice": advice}
 
 
 def smoke_test() -> list[dict[str, Any]]:

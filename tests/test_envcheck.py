@@ -88,8 +88,10 @@ def test_allocator_check_tells_whether_freed_buffers_come_back_without_page_faul
     huge_pages_always = thp.exists() and "[always]" in thp.read_text()
     if default["name"].startswith("glibc") and not huge_pages_always:
         # glibc's default mmaps a 64 MiB block afresh on every allocation, faulted in 4 KiB at a time (with
-        # transparent huge pages always on, the faults are 512x fewer and the measurement decides alone)
-        assert default["reuses"] is False and default["fresh_ms"] > 2 * default["reused_ms"], default
+        # transparent huge pages always on, the faults are 512x fewer and the measurement decides alone); counted
+        # faults, not the milliseconds (reported, not asserted), so that a busy machine cannot turn the answer
+        assert default["reuses"] is False and default["fresh_faults"] >= 64 * 256 // 2, default
+    assert reuse["fresh_faults"] < 64 * 4, reuse
     if not default["reuses"]:
         assert "MALLOC_MMAP_MAX_=0" in default["advice"] and "docs/benchmarks.md" in default["advice"]
     else:

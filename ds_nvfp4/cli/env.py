@@ -76,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"    {name}: fell back ({'to Inductor' if name.endswith('(C++)') else 'to eager'}): {why}")
     if "allocator" in rep:
         al = rep["allocator"]
-        state = (f"reuses freed buffers ({al['fresh_ms']:.1f} ms to write a fresh 64 MiB tensor, "
+        state = (f"reuses freed buffers ({al['fresh_faults']} page faults and {al['fresh_ms']:.1f} ms to write a "
+                 f"fresh 64 MiB tensor, "
                  f"{al['reused_ms']:.1f} ms a reused one)" if al["reuses"] else f"SLOW: {al['advice']}")
         print(f"  allocator  {al['name']}: {state}")
     if "config" in rep:
