@@ -7,7 +7,7 @@
     python bench/gap_vs_size.py docs/evidence/{1m,5m,10m}/report_nvfp4_zero3 ...   # from the kept evidence
     # seed sets (`ds-nvfp4 compare --baselines ... --candidates ... --out DIR`): the mean paired gap with its 95% t
     # interval across seeds, each pair's gap drawn beside it
-    python bench/gap_vs_size.py docs/evidence/v3/1m/seedset_4 docs/evidence/v3/5m/seedset_4 \
+    python bench/gap_vs_size.py docs/evidence/v3/1m/seedset_5 docs/evidence/v3/5m/seedset_4 \
         docs/evidence/v3/10m/seedset_3 --out docs/results_gap_vs_size_v3.png --json docs/results_gap_vs_size_v3.json
 
 Each argument is a report directory written by ``ds-nvfp4 compare --out DIR`` (its report.json names the two runs;
