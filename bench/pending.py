@@ -8,7 +8,10 @@ runs beside it, and lists:
 * **unpaired halves**: a kept ``bf16_seedN`` of a set's seeds without its candidate ``<recipe>_seedN``, or the
   other way round; the missing run must run on the machine type of the kept one;
 * **undecided sets**: a set judged ``inconclusive`` owes pairs up to its ``seeds_needed`` estimate, every new pair
-  on the set's machine type (a set whose pairs span types says so in its report).
+  on the set's machine type (a set whose pairs span types says so in its report);
+* **started recipes**: a recipe with kept runs and no BF16 seed set yet (its first pair kept, or half of it) owes
+  the other halves and a second pair, on its runs' machine type: two pairs are the least a set is judged on (a kept
+  BF16 run of a new seed is that pair's twin).
 
 For each owed run it says whether this machine is of the required type and, where it is, prints the commands that
 copy the kept twin into a runs folder and train the run with bench/evidence.sh. A set whose newest report says
@@ -74,6 +77,36 @@ def _sets(model_dir: Path) -> dict[str, Path]:
     return {recipe: report for recipe, (_, report) in best.items()}
 
 
+def _started(model_dir: Path, model: str, runs: dict[str, dict], judged: set[str], here: str) -> list[Owed]:
+    """The runs owed by each recipe with kept runs in ``model_dir`` and no BF16 seed set (not in ``judged``): the BF16
+    half of each kept seed, then new seeds up to two pairs, all on the machine type of the recipe's kept runs."""
+    owed: list[Owed] = []
+    seeds_of: dict[str, list[int]] = {}
+    for n in sorted(runs):
+        if (m := SEED.match(n)) and m["recipe"] != "bf16" and m["recipe"] not in judged:
+            seeds_of.setdefault(m["recipe"], []).append(int(m["seed"]))
+    bf16 = {int(m["seed"]) for n in runs if (m := SEED.match(n)) and m["recipe"] == "bf16"}
+    for recipe, seeds in sorted(seeds_of.items()):
+        machine = machine_label(runs[f"{recipe}_seed{min(seeds)}"])
+        where = f"{model_dir.name}/{recipe}_seed*: no seed set yet"
+        for seed in sorted(seeds):
+            if seed not in bf16:
+                owed.append(Owed(model_dir.name, model, f"bf16_seed{seed}", f"{recipe}_seed{seed}", where,
+                                 f"the other half of the kept {recipe}_seed{seed}", machine, machine == here))
+        # new seeds: kept BF16 runs of this machine type first (their twin is kept), then unused seeds
+        twins = [s for s in sorted(bf16) if s not in seeds and machine_label(runs[f"bf16_seed{s}"]) == machine]
+        fresh = (s for s in count() if s not in seeds and s not in bf16)
+        for seed in islice(iter(twins + list(islice(fresh, 2))), max(0, 2 - len(seeds))):
+            why = f"a second pair: {recipe} has {len(seeds)} kept and 2 pairs are the least a set is judged on"
+            if seed in bf16:
+                owed.append(Owed(model_dir.name, model, f"{recipe}_seed{seed}", f"bf16_seed{seed}", where, why,
+                                 machine, machine == here))
+            else:
+                owed += [Owed(model_dir.name, model, run, None, where, why, machine, machine == here)
+                         for run in (f"bf16_seed{seed}", f"{recipe}_seed{seed}")]
+    return owed
+
+
 def pending(evidence: Path, here: str) -> tuple[list[Owed], list[str]]:
     """Every run the seed sets under ``evidence`` owe, in model, set and seed order; and the inconclusive sets that
     no number of seeds of their recipe would decide (the mean on the threshold): they need another recipe."""
@@ -83,7 +116,8 @@ def pending(evidence: Path, here: str) -> tuple[list[Owed], list[str]]:
         runs = {p.name: json.loads((p / "config.json").read_text())
                 for p in model_dir.iterdir() if (p / "config.json").exists()}
         model = _model_name(next(iter(runs.values())), model_dir.name) if runs else model_dir.name
-        for recipe, report_path in sorted(_sets(model_dir).items()):
+        sets = _sets(model_dir)
+        for recipe, report_path in sorted(sets.items()):
             report = json.loads(report_path.read_text())
             where = str(report_path.relative_to(evidence))
             seeds = sorted(int(SEED.match(_name(p["candidate"]))["seed"]) for p in report["pairs"])
@@ -114,6 +148,7 @@ def pending(evidence: Path, here: str) -> tuple[list[Owed], list[str]]:
             for seed in new:
                 for run in (f"bf16_seed{seed}", f"{recipe}_seed{seed}"):
                     owed.append(Owed(model_dir.name, model, run, None, where, why, m, m == here))
+        owed += _started(model_dir, model, runs, set(sets), here)
     return owed, stuck
 
 

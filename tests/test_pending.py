@@ -75,3 +75,21 @@ def test_the_command_line_prints_what_to_run_on_this_machine(tmp_path: Path) -> 
             in r.stdout), r.stdout
     kept = json.loads((tmp_path / "p.json").read_text())
     assert len(kept["owed"]) == 4 and len(kept["undecidable"]) == 1
+
+
+def test_a_recipe_whose_first_pair_is_kept_owes_its_second(tmp_path: Path) -> None:
+    """No seed set yet: the kept halves' twins, then a second pair (a kept BF16 run of a new seed is its twin)."""
+    epyc = {"device": "cpu", "name": "AMD EPYC", "bf16_gemm": "CPU with AVX512-BF16"}
+    ev = tmp_path / "v3"
+    a, b = ev / "moe5m_a", ev / "moe5m_b"
+    for name in ("bf16_seed0", "moe_last2_seed0", "bf16_seed1"):
+        _run(a, name, epyc)
+    _run(a, "bf16_seed2", XEON)  # another machine type: not a twin
+    _run(b, "moe_last2_seed0", epyc)
+    owed, _ = pending(ev, here=machine_label({"machine": epyc}))
+    got = [(o.folder, o.run, o.twin) for o in owed]
+    assert got == [("moe5m_a", "moe_last2_seed1", "bf16_seed1"),
+                   ("moe5m_b", "bf16_seed0", "moe_last2_seed0"),
+                   ("moe5m_b", "bf16_seed1", None), ("moe5m_b", "moe_last2_seed1", None)], got
+    assert all(o.here and o.machine == "AMD EPYC (CPU with AVX512-BF16)" for o in owed)
+    assert all(o.set_report.endswith("moe_last2_seed*: no seed set yet") for o in owed)
