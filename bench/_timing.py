@@ -61,14 +61,19 @@ def fwd_bwd(module, x, grad, *args) -> Callable[[], None]:
 
 
 def context() -> dict:
-    """Where and how a benchmark ran: the machine (ds_nvfp4.envcheck.machine), threads, torch, the command, and on
-    a CPU the allocator (whether freed buffers come back without page faults: ds_nvfp4.envcheck.allocator)."""
+    """Where and how a benchmark ran: the machine (ds_nvfp4.envcheck.machine), threads, torch, the command, the
+    process's peak resident memory so far (``max_rss_mib``, MiB: the timed work, read before the allocator probe
+    adds its own), and on a CPU the allocator (whether freed buffers come back without page faults:
+    ds_nvfp4.envcheck.allocator)."""
+    import resource
+
     import torch
 
     from ds_nvfp4.envcheck import allocator, machine
 
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
     out = {"machine": machine(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "command": "python " + " ".join(sys.argv)}
+           "command": "python " + " ".join(sys.argv), "max_rss_mib": round(peak_kib / 1024, 1)}
     if out["machine"]["device"] == "cpu":  # page faults of fresh buffers are part of a CPU figure (envcheck)
         out["allocator"] = {k: v for k, v in allocator().items() if k != "advice"}
     return out

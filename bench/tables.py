@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from ds_nvfp4.kernels.cpu_allocator import GLIBC_REUSE_ENV  # noqa: E402
+
 DOC = ROOT / "docs" / "benchmarks.md"
 EVIDENCE = ROOT / "docs" / "evidence"
 
@@ -28,8 +31,11 @@ def _load(name: str) -> dict:
 def _machine(d: dict) -> str:
     m, al = d["machine"], d.get("allocator")
     env = "".join(f"{k}={v} " for k, v in (al or {}).get("env", {}).items())
+    # labelled by the setting the process started with, not by the allocator probe, which runs after the timed work
+    # and there once found glibc's default reusing (docs/evidence/bench/allocator_memory/experts_default_1.json)
+    reusing = al is not None and all(al.get("env", {}).get(k) == v for k, v in GLIBC_REUSE_ENV.items())
     heap = "" if al is None else (f", {al['name']} malloc " + (
-        "reusing freed buffers" if al["reuses"] else "returning large freed buffers to the OS (page faults)"))
+        "reusing freed buffers" if reusing else "returning large freed buffers to the OS (page faults)"))
     return f"{m['name']} ({m['bf16_gemm']}), {d['threads']} threads, torch {d['torch']}{heap}; `{env}{d['command']}`"
 
 
@@ -84,6 +90,39 @@ def experts() -> list[str]:
     return _three("experts", lambda d: _ratio_table(d, "ratio_to_grouped_mm", "vs transformers grouped_mm"))
 
 
+#: the benchmarks of the allocator comparison and the key of their ratio to the BF16 row
+_MEMORY_BENCHES = {"experts": "ratio_to_grouped_mm", "gemm": "ratio_to_bf16_linear"}
+
+
+def allocator_memory() -> list[str]:
+    """Peak resident memory and speed of bench/experts.py and bench/gemm.py with glibc's default malloc and with
+    freed buffers kept (``docs/evidence/bench/allocator_memory/BENCH_SETTING_N.json``, invocations alternating)."""
+    folder = EVIDENCE / "bench" / "allocator_memory"
+    first = _load(f"bench/allocator_memory/{min(p.name for p in folder.glob('*.json'))}")
+    m = first["machine"]
+    out = [f"{m['name']} ({m['bf16_gemm']}), {first['threads']} threads, torch {first['torch']}; each cell the median "
+           "over the invocations (range in brackets); peak RSS of the benchmark process (`max_rss_mib`, before its "
+           "allocator probe)", "",
+           "| benchmark | malloc | invocations | peak RSS MiB | BF16 row s | FP4 rows vs BF16 |",
+           "|---|---|---|---|---|---|"]
+
+    def cell(xs: list[float], fmt: str, unit: str = "") -> str:
+        return f"{format(statistics.median(xs), fmt)}{unit} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
+
+    for bench, key in _MEMORY_BENCHES.items():
+        for setting, label in (("default", "glibc default"), ("reuse", "freed buffers kept")):
+            runs = [json.loads(p.read_text()) for p in sorted(folder.glob(f"{bench}_{setting}_*.json"))]
+            if not runs:
+                continue
+            base = runs[0]["baseline"]
+            fp4 = [r for r in runs[0]["rows"] if r.startswith(("NVFP4", "nvfp4"))]
+            ratios = "; ".join(f"{r}: {cell([d['rows'][r][key] for d in runs], '.2f', 'x')}" for r in fp4)
+            rss = cell([d["max_rss_mib"] for d in runs], ".0f")
+            out.append(f"| `bench/{bench}.py` | {label} | {len(runs)} | {rss} "
+                       f"| {cell([d['rows'][base]['median'] for d in runs], '.3f')} | {ratios} |")
+    return out
+
+
 def zero() -> list[str]:
     d = _load("bench/zero.json")
     rows = d["rows"]
@@ -112,7 +151,8 @@ def autohook() -> list[str]:
             f"| `python -c pass`, hook off (`DS_NVFP4_AUTO=0`) | {off:.1f} ms |"]
 
 
-TABLES = {"quantize": quantize, "gemm": gemm, "experts": experts, "zero": zero, "autohook": autohook}
+TABLES = {"quantize": quantize, "gemm": gemm, "experts": experts, "allocator_memory": allocator_memory, "zero": zero,
+          "autohook": autohook}
 
 
 def render(text: str) -> str:

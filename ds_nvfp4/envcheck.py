@@ -121,7 +121,8 @@ def allocator(probe_mib: int = 64, repeats: int = 9) -> dict[str, Any]:
 
     Decided by counting, not timing: the minor page faults (``getrusage``, this process) of writing ``probe_mib`` MiB
     into a freshly allocated tensor, fewest of ``repeats``. A reusing allocator hands back pages already mapped (0
-    faults after the first allocation); glibc's default faults every 4 KiB page in again (``probe_mib * 256``), or
+    faults once its heap has grown to fit, after a few allocations: torch's aligned blocks need a little more than
+    the block just freed); glibc's default faults every 4 KiB page in again (``probe_mib * 256``), or
     every 2 MiB huge page where transparent huge pages are always on, which costs 512x less and counts as reusing
     here. A count is the same on a busy machine; the milliseconds, kept for the message, are not (timed, 3-4 busy
     processes on 2 cores once made a reusing allocator look faulting).

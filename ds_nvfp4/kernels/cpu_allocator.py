@@ -14,7 +14,8 @@ GLIBC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(64 * 2
 _REUSE_SETTING = " ".join(f"{k}={v}" for k, v in GLIBC_REUSE_ENV.items())
 #: what the setting did, from the kept benchmarks (docs/evidence/bench/{gemm,experts}_epyc{,_reuse}.json)
 _REUSE_EFFECT = ("on a 2-core EPYC with AVX512-BF16 the emulated FP4 GEMMs cost 1.02-1.12x of BF16 with it instead of "
-                 "1.07-1.28x, with the same bits (docs/benchmarks.md, CPU allocator)")
+                 "1.07-1.28x, with the same bits, for 1.27-1.49x the peak memory (docs/benchmarks.md, CPU "
+                 "allocator)")
 
 
 def allocator_env() -> dict[str, str]:
