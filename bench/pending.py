@@ -11,7 +11,10 @@ runs beside it, and lists:
   on the set's machine type (a set whose pairs span types says so in its report);
 * **started recipes**: a recipe with kept runs and no BF16 seed set yet (its first pair kept, or half of it) owes
   the other halves and a second pair, on its runs' machine type: two pairs are the least a set is judged on (a kept
-  BF16 run of a new seed is that pair's twin).
+  BF16 run of a new seed is that pair's twin);
+* **planned runs**: the runs named in a model folder's ``planned.txt`` (one set's run names, written when the set
+  is started, ``#`` comments) and not kept yet, on the machine type of the folder's kept runs: a set whose first
+  run is kept and whose recipe has no kept run yet is not forgotten between sessions.
 
 For each owed run it says whether this machine is of the required type and, where it is, prints the commands that
 copy the kept twin into a runs folder and train the run with bench/evidence.sh. A set whose newest report says
@@ -107,6 +110,36 @@ def _started(model_dir: Path, model: str, runs: dict[str, dict], judged: set[str
     return owed
 
 
+def _planned(model_dir: Path, model: str, runs: dict[str, dict], listed: set[str], here: str) -> list[Owed]:
+    """The runs of ``model_dir/planned.txt`` neither kept nor owed already (``listed``), in the file's order, on the
+    machine type of the folder's kept runs (the twin of a ``<recipe>_seedN`` is a kept ``bf16_seedN``, and the other
+    way round)."""
+    plan = model_dir / "planned.txt"
+    if not plan.exists():
+        return []
+    names = [n for line in plan.read_text().splitlines() for n in line.split("#", 1)[0].split()]
+    bad = [n for n in names if not SEED.match(n)]
+    if bad:
+        raise SystemExit(f"{plan}: {', '.join(bad)}: a planned run is named <recipe>_seed<N> (e.g. bf16_seed0)")
+    types = sorted({machine_label(c) for c in runs.values()})
+    if len(types) > 1:
+        raise SystemExit(f"{plan}: the kept runs beside it span {' / '.join(types)}: a set's pairs need one type")
+    machine = types[0] if types else here  # nothing kept yet: any machine may start the set
+    owed = []
+    for name in names:
+        if name in runs or name in listed:
+            continue
+        m = SEED.match(name)
+        if m["recipe"] == "bf16":  # a BF16 run is the twin of the kept recipe run of its seed, if any
+            twin = next((t for t in sorted(runs)
+                         if (k := SEED.match(t)) and k["seed"] == m["seed"] and k["recipe"] != "bf16"), None)
+        else:
+            twin = f"bf16_seed{m['seed']}" if f"bf16_seed{m['seed']}" in runs else None
+        owed.append(Owed(model_dir.name, model, name, twin, f"{model_dir.name}/planned.txt",
+                         "planned when the set was started", machine, machine == here))
+    return owed
+
+
 def pending(evidence: Path, here: str) -> tuple[list[Owed], list[str]]:
     """Every run the seed sets under ``evidence`` owe, in model, set and seed order; and the inconclusive sets that
     no number of seeds of their recipe would decide (the mean on the threshold): they need another recipe."""
@@ -149,6 +182,7 @@ def pending(evidence: Path, here: str) -> tuple[list[Owed], list[str]]:
                 for run in (f"bf16_seed{seed}", f"{recipe}_seed{seed}"):
                     owed.append(Owed(model_dir.name, model, run, None, where, why, m, m == here))
         owed += _started(model_dir, model, runs, set(sets), here)
+        owed += _planned(model_dir, model, runs, {o.run for o in owed if o.folder == model_dir.name}, here)
     return owed, stuck
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.pending import pending
 from ds_nvfp4.envcheck import machine
 from ds_nvfp4.evaluation.seedset import machine_label
@@ -93,3 +95,23 @@ def test_a_recipe_whose_first_pair_is_kept_owes_its_second(tmp_path: Path) -> No
                    ("moe5m_b", "bf16_seed1", None), ("moe5m_b", "moe_last2_seed1", None)], got
     assert all(o.here and o.machine == "AMD EPYC (CPU with AVX512-BF16)" for o in owed)
     assert all(o.set_report.endswith("moe_last2_seed*: no seed set yet") for o in owed)
+
+
+def test_a_planned_set_is_owed_from_its_first_kept_run(tmp_path: Path) -> None:
+    """planned.txt: the set's runs, owed on the machine type of what is kept (here only a BF16 twin so far)."""
+    epyc = {"device": "cpu", "name": "AMD EPYC", "bf16_gemm": "CPU with AVX512-BF16"}
+    folder = tmp_path / "v3" / "moe5m_epyc"
+    _run(folder, "bf16_seed0", epyc)
+    (folder / "planned.txt").write_text("# the moe_last2 candidate (issue 35)\nbf16_seed0 moe_last2_seed0\n"
+                                        "bf16_seed1 moe_last2_seed1\n")
+    owed, _ = pending(tmp_path / "v3", here=machine_label({"machine": XEON}))
+    assert [(o.run, o.twin) for o in owed] == [("moe_last2_seed0", "bf16_seed0"), ("bf16_seed1", None),
+                                               ("moe_last2_seed1", None)], owed
+    assert all(o.set_report == "moe5m_epyc/planned.txt" and not o.here
+               and o.machine == "AMD EPYC (CPU with AVX512-BF16)" for o in owed)
+    _run(folder, "moe_last2_seed0", epyc)  # the first pair kept: the started-recipe rule owes the same, once
+    owed, _ = pending(tmp_path / "v3", here=machine_label({"machine": epyc}))
+    assert [(o.run, o.twin) for o in owed] == [("bf16_seed1", None), ("moe_last2_seed1", None)], owed
+    (folder / "planned.txt").write_text("moe_last2\n")
+    with pytest.raises(SystemExit, match="moe_last2: a planned run is named <recipe>_seed<N>"):
+        pending(tmp_path / "v3", here="x")
