@@ -45,6 +45,16 @@ def env() -> dict[str, str]:
             "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
 
 
+def aborted_at_exit_only(returncode: int, text: str, what: str) -> bool:
+    """Whether a launch that failed (``returncode``, its output ``text``) failed only by a rank's abort at
+    interpreter exit after its work (zero/teardown.py: gloo's worker threads, pytorch/pytorch#190489), with no
+    traceback before it; if so, say it with a warning naming ``what``. The caller checks every rank's results."""
+    if returncode == 0 or EXIT_ABORT not in text or "Traceback" in text.split(EXIT_ABORT)[0]:
+        return False
+    warnings.warn(f"{what}: a rank aborted at interpreter exit after its work ({EXIT_ABORT})", stacklevel=3)
+    return True
+
+
 def launch(cmd: list[str], log: Path, allow_exit_abort: bool = False) -> str:
     """Run a launcher command to completion (bounded); its output goes to ``log``; fail with its tail.
 
@@ -54,9 +64,7 @@ def launch(cmd: list[str], log: Path, allow_exit_abort: bool = False) -> str:
     with open(log, "w") as fh:
         r = subprocess.run(cmd, cwd=ROOT, env=env(), stdout=fh, stderr=subprocess.STDOUT, timeout=TIMEOUT)
     text = log.read_text()
-    if r.returncode != 0 and allow_exit_abort and EXIT_ABORT in text and "Traceback" not in text.split(EXIT_ABORT)[0]:
-        warnings.warn(f"{' '.join(cmd[:2])}: a rank aborted at interpreter exit after its work ({EXIT_ABORT})",
-                      stacklevel=2)
+    if allow_exit_abort and aborted_at_exit_only(r.returncode, text, " ".join(cmd[:2])):
         return text
     assert r.returncode == 0, f"{' '.join(cmd[:3])} failed ({r.returncode}):\n{text[-6000:]}"
     return text
