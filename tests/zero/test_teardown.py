@@ -69,3 +69,54 @@ def test_left_alone_after_an_unhandled_exception(tmp_path: Path, flags: tuple[st
     alive, r = _still_initialized_at_exit(tmp_path, "raise", *flags)
     assert _ended(r, 1) and "the script died" in r.stderr  # the user's traceback still printed
     assert alive is True
+
+
+DRAIN = """
+import json, sys, tempfile, time, torch, torch.distributed as dist
+from ds_nvfp4.zero import teardown
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+dist.all_gather([torch.empty(4)], torch.ones(4))  # the list is dropped at once: the worker frees its tensors
+t0 = time.monotonic()
+drained = teardown.drain_gloo_workers()
+print(json.dumps({"states": teardown._thread_states(teardown.GLOO_WORKER), "drained": drained,
+                  "ms": 1000 * (time.monotonic() - t0)}))
+"""
+
+
+def test_the_drain_finds_gloo_workers_by_name_and_waits_until_they_are_idle(tmp_path: Path) -> None:
+    """The exit-time drain recognizes torch's gloo worker threads by their name (if torch renamed them, the drain
+    would find none and return at once: this fails instead) and returns when they are idle: after at least two
+    GIL-free slices, well within its limit."""
+    from ds_nvfp4.zero.teardown import DRAIN_LIMIT_S, DRAIN_SLICE_S
+
+    script = tmp_path / "drain.py"
+    script.write_text(DRAIN)
+    r = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    fact = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(fact["states"]) >= 1 and "R" not in fact["states"], fact  # one group: its worker threads, idle
+    assert fact["drained"] is True and 2 * DRAIN_SLICE_S * 1000 <= fact["ms"] < DRAIN_LIMIT_S * 1000, fact
+
+
+def test_the_drain_runs_when_the_script_destroyed_the_groups_itself(tmp_path: Path) -> None:
+    """Accelerate's end_training() destroys the groups, yet a group object still held keeps its workers: the
+    teardown no longer returns early there (it drains), and says nothing."""
+    script = tmp_path / "job.py"
+    script.write_text("""
+import atexit, sys, tempfile, time, torch, torch.distributed as dist
+from ds_nvfp4.zero import teardown
+calls = []
+real = teardown.drain_gloo_workers
+teardown.drain_gloo_workers = lambda *a, **k: calls.append(1) or real(*a, **k)
+atexit.register(lambda: print("drained", len(calls), flush=True))  # registered first: runs last
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+sub = dist.new_group([0])
+dist.all_reduce(torch.ones(4), group=sub)
+teardown.destroy_at_exit()
+dist.destroy_process_group()
+""")
+    r = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and "drained 1" in r.stdout, (r.stdout, r.stderr[-3000:])
+    assert "ds_nvfp4" not in r.stderr, r.stderr[-3000:]
