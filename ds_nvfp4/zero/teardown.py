@@ -106,14 +106,12 @@ def _thread_states(name: str) -> list[str] | None:
 def drain_gloo_workers(limit_s: float = DRAIN_LIMIT_S, slice_s: float = DRAIN_SLICE_S) -> bool:
     """Release the GIL until every gloo worker thread of this process is idle; True when they are (or none exist).
 
-    Why: a gloo worker destroys each finished work object itself, and when Python has already dropped that work's
-    tensors, the tensors' Python objects die with it, which needs the GIL. A worker that asks for the GIL after
-    the interpreter began finalizing is ended by ``pthread_exit``, whose unwinding through a ``noexcept``
-    destructor is ``std::terminate``: the abort (a core dump shows ``take_gil`` <- ``decref_pyobject`` <-
-    ``~AsyncAllgatherWork`` <- ``ProcessGroupGloo::runLoop``). A worker waiting for the GIL only gets it when the
-    main thread drops it: every 5 ms of bytecode, or at once in a blocking call. So this sleeps in ``slice_s``
-    slices (the GIL free) until two reads in a row find no worker runnable (a worker woken for the GIL is runnable
-    until it has run), at most ``limit_s``. Without /proc it sleeps 5 slices and returns True."""
+    A worker waiting for the GIL to free a finished collective's tensors (the abort: this module's docstring) only
+    gets it when the main thread drops it: every 5 ms of bytecode, or at once in a blocking call. So this sleeps in
+    ``slice_s`` slices (the GIL free) until two reads of /proc in a row find no worker runnable (a worker woken for
+    the GIL is runnable until it has run), at most ``limit_s``. A worker blocked inside a collective that its peer
+    never joins sleeps too and counts as idle: the drain never waits on a peer. Without /proc it sleeps 5 slices
+    and returns True."""
     deadline, quiet = time.monotonic() + limit_s, 0
     while True:
         time.sleep(slice_s)
