@@ -2,15 +2,15 @@
 
 The abort: a process that used gloo can end with ``terminate called without an active exception`` (exit code -6)
 *after* its training, saving and printing finished, and the launcher reports the run as failed. A core dump shows
-the mechanism: a gloo worker thread destroys each finished work object itself (``ProcessGroupGloo::runLoop`` ->
-``~AsyncAllgatherWork``), and when Python already dropped that work's tensors, their Python objects die with it,
-which needs the GIL (``decref_pyobject`` -> ``take_gil``). A thread that asks for the GIL after finalization began
-is ended by ``pthread_exit``, whose unwinding through a ``noexcept`` destructor is ``std::terminate``. The worker
-waits for the GIL until the main thread drops it (every 5 ms of bytecode, or in a blocking call), so a script that
-ends within a few ms of its last collective loses the race. torch 2.13 does not guard against it
-(pytorch/pytorch#190489; an ``atexit`` fix in torch, PR #179291, was abandoned). CPython 3.14 hangs such a thread
-instead of ending it (python/cpython gh-87135, GH-105805), so the abort is one of Python 3.13 and older; this
-project runs on 3.11.
+the mechanism (docs/evidence/teardown/core_backtrace.txt): a gloo worker thread destroys each finished work object
+itself (``ProcessGroupGloo::runLoop`` -> ``~AsyncAllgatherWork``), and when Python already dropped that work's
+tensors, their Python objects die with it, which needs the GIL (``decref_pyobject`` -> ``take_gil``). A thread that
+asks for the GIL after finalization began is ended by ``pthread_exit``, whose unwinding through a ``noexcept``
+destructor is ``std::terminate``. The worker waits for the GIL until the main thread drops it (every 5 ms of
+bytecode, or in a blocking call), so a script that ends within a few ms of its last collective loses the race. torch
+2.13 does not guard against it (pytorch/pytorch#190489; an ``atexit`` fix in torch, PR #179291, was abandoned).
+CPython 3.14 hangs such a thread instead of ending it (python/cpython gh-87135, GH-105805), so the abort is one of
+Python 3.13 and older; this project runs on 3.11.
 
 :func:`destroy_at_exit` registers one ``atexit`` handler per process that
 

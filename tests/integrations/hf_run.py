@@ -55,18 +55,19 @@ def aborted_at_exit_only(returncode: int, text: str, what: str) -> bool:
     return True
 
 
-def launch(cmd: list[str], log: Path, allow_exit_abort: bool = True) -> str:
+def launch(cmd: list[str], log: Path) -> str:
     """Run a launcher command to completion (bounded); its output goes to ``log``; fail with its tail.
 
-    ``allow_exit_abort``: a rank's abort at interpreter exit, after its work and with no traceback, is let through
-    with a warning; every caller then reads each rank's results, so a rank that died earlier still fails the test.
-    The abort is torch's race (zero/teardown.py: a gloo worker that asks for the GIL once finalization began):
-    ds_nvfp4's exit-time teardown narrows it, and 0 of 19 local launches of the LoRA script aborted, yet one CI
-    run saw it twice (the MoE families and the LoRA script; docs/integrations.md)."""
+    A rank's abort at interpreter exit, after its work and with no traceback, is let through with a warning; every
+    caller then reads each rank's results, so a rank that died earlier still fails the test. The abort is torch's
+    race (zero/teardown.py: a gloo worker that asks for the GIL once finalization began): ds_nvfp4's exit-time
+    teardown narrows it, and 0 of 19 local launches of the LoRA script aborted
+    (docs/evidence/teardown/hf_lora_loop.txt), yet one CI run saw it twice (the MoE families and the LoRA script;
+    docs/integrations.md)."""
     with open(log, "w") as fh:
         r = subprocess.run(cmd, cwd=ROOT, env=env(), stdout=fh, stderr=subprocess.STDOUT, timeout=TIMEOUT)
     text = log.read_text()
-    if allow_exit_abort and aborted_at_exit_only(r.returncode, text, " ".join(cmd[:2])):
+    if aborted_at_exit_only(r.returncode, text, " ".join(cmd[:2])):
         return text
     assert r.returncode == 0, f"{' '.join(cmd[:3])} failed ({r.returncode}):\n{text[-6000:]}"
     return text

@@ -37,11 +37,17 @@ if "raise" in sys.argv:
 """
 
 
+def _python(tmp_path: Path, source: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``source`` as a script in a fresh interpreter (bounded), the repository importable."""
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    return subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
 def _still_initialized_at_exit(tmp_path: Path, *flags: str) -> tuple[bool, subprocess.CompletedProcess]:
-    script, out = tmp_path / "job.py", tmp_path / "out.json"
-    script.write_text(SCRIPT)
-    r = subprocess.run([sys.executable, str(script), str(out), *flags], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    out = tmp_path / "out.json"
+    r = _python(tmp_path, SCRIPT, str(out), *flags)
     return json.loads(out.read_text()), r
 
 
@@ -89,10 +95,7 @@ def test_the_drain_finds_gloo_workers_by_name_and_waits_until_they_are_idle(tmp_
     GIL-free slices, well within its limit."""
     from ds_nvfp4.zero.teardown import DRAIN_LIMIT_S, DRAIN_SLICE_S
 
-    script = tmp_path / "drain.py"
-    script.write_text(DRAIN)
-    r = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    r = _python(tmp_path, DRAIN)
     assert r.returncode == 0, r.stderr[-3000:]
     fact = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(fact["states"]) >= 1 and "R" not in fact["states"], fact  # one group: its worker threads, idle
@@ -102,8 +105,7 @@ def test_the_drain_finds_gloo_workers_by_name_and_waits_until_they_are_idle(tmp_
 def test_the_drain_runs_when_the_script_destroyed_the_groups_itself(tmp_path: Path) -> None:
     """Accelerate's end_training() destroys the groups, yet a group object still held keeps its workers: the
     teardown no longer returns early there (it drains), and says nothing."""
-    script = tmp_path / "job.py"
-    script.write_text("""
+    r = _python(tmp_path, """
 import atexit, sys, tempfile, time, torch, torch.distributed as dist
 from ds_nvfp4.zero import teardown
 calls = []
@@ -116,7 +118,5 @@ dist.all_reduce(torch.ones(4), group=sub)
 teardown.destroy_at_exit()
 dist.destroy_process_group()
 """)
-    r = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and "drained 1" in r.stdout, (r.stdout, r.stderr[-3000:])
     assert "ds_nvfp4" not in r.stderr, r.stderr[-3000:]
