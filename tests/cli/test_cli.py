@@ -28,7 +28,7 @@ def write(tmp: Path, name: str, text: str) -> str:
 def test_presets_are_valid_including_deepspeed_checks() -> None:
     r = cli("validate", *map(str, PRESETS))
     assert r.returncode == 0, r.stderr + r.stdout
-    assert r.stdout.count(": ok") == len(PRESETS) == 7
+    assert r.stdout.count(": ok") == len(PRESETS) == 8
 
 
 def test_bench_configs_are_valid() -> None:
@@ -141,6 +141,8 @@ def test_schema_is_json_schema() -> None:
                                                                       "(BF16 weights); steps 51 on: fp4"),
                                             ("nvfp4_zero2.json", "stored by DeepSpeed in BF16"),
                                             ("nvfp4_zero3_lora.json", "frozen: packed once, never re-quantized"),
+                                            ("nvfp4_zero3_moe.json", "the last max(2, 15% (rounded up)) transformer "
+                                                                     "blocks"),
                                             ("bf16_zero3.json", "NVFP4 is disabled"),
                                             ("nvfp4_zero3_all_blocks_ablation.json", "Every transformer block is FP4"),
                                             ("../bench/configs/nvfp4_zero3_all_blocks_late_bf16_2100.json",
