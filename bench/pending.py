@@ -112,19 +112,24 @@ def _started(model_dir: Path, model: str, runs: dict[str, dict], judged: set[str
 
 def _planned(model_dir: Path, model: str, runs: dict[str, dict], listed: set[str], here: str) -> list[Owed]:
     """The runs of ``model_dir/planned.txt`` neither kept nor owed already (``listed``), in the file's order, on the
-    machine type of the folder's kept runs (the twin of a ``<recipe>_seedN`` is a kept ``bf16_seedN``, and the other
-    way round)."""
+    machine type of the folder's kept runs or of the file's ``machine: <label>`` line (``machine_label``'s form,
+    e.g. ``machine: AMD EPYC (CPU with AVX512-BF16)``), which holds a set to its type before its first run is kept
+    (the twin of a ``<recipe>_seedN`` is a kept ``bf16_seedN``, and the other way round)."""
     plan = model_dir / "planned.txt"
     if not plan.exists():
         return []
-    names = [n for line in plan.read_text().splitlines() for n in line.split("#", 1)[0].split()]
+    lines = [line.split("#", 1)[0].strip() for line in plan.read_text().splitlines()]
+    pinned = [line.split(":", 1)[1].strip() for line in lines if line.startswith("machine:")]
+    names = [n for line in lines if not line.startswith("machine:") for n in line.split()]
     bad = [n for n in names if not SEED.match(n)]
     if bad:
         raise SystemExit(f"{plan}: {', '.join(bad)}: a planned run is named <recipe>_seed<N> (e.g. bf16_seed0)")
-    types = sorted({machine_label(c) for c in runs.values()})
+    types = sorted({machine_label(c) for c in runs.values()} | set(pinned))
     if len(types) > 1:
-        raise SystemExit(f"{plan}: the kept runs beside it span {' / '.join(types)}: a set's pairs need one type")
-    machine = types[0] if types else here  # nothing kept yet: any machine may start the set
+        raise SystemExit(f"{plan}: the kept runs beside it and its machine: line span {' / '.join(types)}: "
+                         "a set's pairs need one type")
+    # nothing kept and no "machine:" line: any machine may start the set
+    machine = types[0] if types else here
     owed = []
     for name in names:
         if name in runs or name in listed:

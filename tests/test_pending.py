@@ -115,3 +115,22 @@ def test_a_planned_set_is_owed_from_its_first_kept_run(tmp_path: Path) -> None:
     (folder / "planned.txt").write_text("moe_last2\n")
     with pytest.raises(SystemExit, match="moe_last2: a planned run is named <recipe>_seed<N>"):
         pending(tmp_path / "v3", here="x")
+
+
+def test_a_planned_set_pinned_to_a_machine_type_before_anything_is_kept(tmp_path: Path) -> None:
+    """planned.txt's ``machine:`` line: a set started on one type is not owed on another before its first run is
+    kept, and a kept run of another type is refused."""
+    epyc = {"device": "cpu", "name": "AMD EPYC", "bf16_gemm": "CPU with AVX512-BF16"}
+    folder = tmp_path / "v3" / "10m_epyc"
+    folder.mkdir(parents=True)
+    (folder / "planned.txt").write_text("machine: AMD EPYC (CPU with AVX512-BF16)  # the type it started on\n"
+                                        "bf16_seed0 nvfp4_zero3_seed0\n")
+    owed, _ = pending(tmp_path / "v3", here=machine_label({"machine": XEON}))
+    assert [(o.run, o.here, o.machine) for o in owed] == [
+        ("bf16_seed0", False, "AMD EPYC (CPU with AVX512-BF16)"),
+        ("nvfp4_zero3_seed0", False, "AMD EPYC (CPU with AVX512-BF16)")], owed
+    owed, _ = pending(tmp_path / "v3", here=machine_label({"machine": epyc}))
+    assert all(o.here for o in owed) and len(owed) == 2, owed
+    _run(folder, "bf16_seed0", XEON)
+    with pytest.raises(SystemExit, match="span AMD EPYC .* / Intel"):
+        pending(tmp_path / "v3", here="x")
