@@ -132,5 +132,5 @@ def test_a_planned_set_pinned_to_a_machine_type_before_anything_is_kept(tmp_path
     owed, _ = pending(tmp_path / "v3", here=machine_label({"machine": epyc}))
     assert all(o.here for o in owed) and len(owed) == 2, owed
     _run(folder, "bf16_seed0", XEON)
-    with pytest.raises(SystemExit, match="span AMD EPYC .* / Intel"):
+    with pytest.raises(SystemExit, match=r"span AMD EPYC .* / Intel"):
         pending(tmp_path / "v3", here="x")
