@@ -16,6 +16,10 @@ runs beside it, and lists:
   is started, ``#`` comments) and not kept yet, on the machine type of the folder's kept runs: a set whose first
   run is kept and whose recipe has no kept run yet is not forgotten between sessions.
 
+Beside the seed sets, **planned benchmarks**: the entries of ``--bench``'s ``planned.txt`` (docs/evidence/bench) whose
+output file is not kept yet, each owed on CPUs of the BF16 GEMM units its ``units:`` line names (a benchmark's
+speed depends on the units, not on the CPU model), printed with its command where this machine has them.
+
 For each owed run it says whether this machine is of the required type and, where it is, prints the commands that
 copy the kept twin into a runs folder and train the run with bench/evidence.sh. A set whose newest report says
 pass or fail owes no new pairs (only the other halves of kept runs: every set is meant to reach 4 pairs); a set
@@ -23,6 +27,12 @@ superseded by a larger one of the same recipe is not read.
 
     python bench/pending.py                   # every set under docs/evidence/v3
     python bench/pending.py --json pending.json
+
+A benchmark ``planned.txt``::
+
+    # issue 35 item 7: the AMX targets with freed buffers reused
+    units: CPU with AMX-BF16
+    gemm_amx_reuse.json: MALLOC_MMAP_MAX_=0 python bench/gemm.py --json docs/evidence/bench/gemm_amx_reuse.json
 """
 
 from __future__ import annotations
@@ -150,6 +160,8 @@ def pending(evidence: Path, here: str) -> tuple[list[Owed], list[str]]:
     no number of seeds of their recipe would decide (the mean on the threshold): they need another recipe."""
     owed: list[Owed] = []
     stuck: list[str] = []
+    if not evidence.is_dir():
+        raise SystemExit(f"{evidence}: no such folder (--evidence: the kept seed sets, one subfolder per model)")
     for model_dir in sorted(p for p in evidence.iterdir() if p.is_dir()):
         runs = {p.name: json.loads((p / "config.json").read_text())
                 for p in model_dir.iterdir() if (p / "config.json").exists()}
@@ -191,17 +203,63 @@ def pending(evidence: Path, here: str) -> tuple[list[Owed], list[str]]:
     return owed, stuck
 
 
+@dataclass(frozen=True)
+class OwedBench:
+    """One planned benchmark whose output file is not kept yet: the file, why, the units it needs, its command."""
+
+    output: str         # the file it writes, relative to the bench folder (e.g. "gemm_amx_reuse.json")
+    why: str            # the comment lines above its entry, joined
+    units: str          # "CPU with AMX-BF16", as machine()["bf16_gemm"] says it
+    command: str
+    here: bool          # this machine has those units
+
+
+def pending_benchmarks(bench_dir: Path, here_units: str) -> list[OwedBench]:
+    """The entries ``OUTPUT: COMMAND`` of ``bench_dir/planned.txt`` whose OUTPUT is not in ``bench_dir``, each under
+    the ``units: <BF16 GEMM units>`` line above it; ``#`` lines above an entry say why it is owed."""
+    plan = bench_dir / "planned.txt"
+    if not plan.exists():
+        return []
+    owed: list[OwedBench] = []
+    units: str | None = None
+    why: list[str] = []
+    for n, raw in enumerate(plan.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        if line.startswith("#"):
+            why.append(line.lstrip("# "))
+            continue
+        key, sep, rest = line.partition(":")
+        if not sep or not rest.strip():
+            raise SystemExit(f"{plan}:{n}: expected 'units: <BF16 GEMM units>' or 'OUTPUT: COMMAND', got {line!r}")
+        if key.strip() == "units":
+            units = rest.strip()
+            continue
+        if units is None:
+            raise SystemExit(f"{plan}:{n}: {key.strip()}: no 'units:' line above it (e.g. units: CPU with AMX-BF16)")
+        if not (bench_dir / key.strip()).exists():
+            owed.append(OwedBench(key.strip(), " ".join(why), units, rest.strip(), units == here_units))
+        why = []
+    return owed
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--evidence", type=Path, default=ROOT / "docs" / "evidence" / "v3",
                    help="the folder of kept seed sets, one subfolder per model (default: docs/evidence/v3)")
+    p.add_argument("--bench", type=Path, default=ROOT / "docs" / "evidence" / "bench",
+                   help="the folder of kept benchmark output and its planned.txt (default: docs/evidence/bench)")
     p.add_argument("--json", default=None, help="also write the owed runs here")
     args = p.parse_args()
     from ds_nvfp4.envcheck import machine
 
     here = machine_label({"machine": machine()})
     owed, stuck = pending(args.evidence, here)
+    benches = pending_benchmarks(args.bench, machine()["bf16_gemm"])
     print(f"this machine: {here}")
+    for b in benches:
+        print(f"  {'HERE ' if b.here else 'other'}   bench  {b.output:<24} on a {b.units}: {b.why}")
     if not owed:
         print("no kept seed set owes a run")
     for line in stuck:
@@ -222,9 +280,15 @@ def main() -> None:
                   f"gunzip -f {out}/{twin}/*.gz")
         print(f"  PROTOCOL=v3 MODEL={runs[0].model} OUT={out} RUNS=\"{' '.join(o.run for o in runs)}\" "
               "PROBE_RUNS= bash bench/evidence.sh")
+    if any(b.here for b in benches):
+        print("\nbenchmarks to run here (with the machine otherwise idle: training paused), then commit each output:")
+        for b in benches:
+            if b.here:
+                print(f"  {b.command}")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": here, "owed": [asdict(o) for o in owed],
-                                               "undecidable": stuck}, indent=1))
+                                               "undecidable": stuck, "benchmarks": [asdict(b) for b in benches]},
+                                              indent=1))
 
 
 if __name__ == "__main__":

@@ -134,3 +134,36 @@ def test_a_planned_set_pinned_to_a_machine_type_before_anything_is_kept(tmp_path
     _run(folder, "bf16_seed0", XEON)
     with pytest.raises(SystemExit, match=r"span AMD EPYC .* / Intel"):
         pending(tmp_path / "v3", here="x")
+
+
+def test_planned_benchmarks_are_owed_on_their_units_until_their_output_is_kept(tmp_path: Path) -> None:
+    """docs/evidence/bench/planned.txt: an entry is owed until its output file is kept, on CPUs of its units."""
+    from bench.pending import pending_benchmarks
+
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "planned.txt").write_text(
+        "# the AMX targets\n# with buffers reused\nunits: CPU with AMX-BF16\n"
+        "a.json: python bench/gemm.py --json docs/evidence/bench/a.json\n"
+        "b.json: python bench/experts.py --json docs/evidence/bench/b.json\n"
+        "units: CPU with AVX512-BF16\nc.json: python bench/quantize.py --json docs/evidence/bench/c.json\n")
+    (bench / "b.json").write_text("{}")  # kept: no longer owed
+    owed = pending_benchmarks(bench, "CPU with AMX-BF16")
+    assert [(b.output, b.units, b.here) for b in owed] == [("a.json", "CPU with AMX-BF16", True),
+                                                           ("c.json", "CPU with AVX512-BF16", False)], owed
+    assert owed[0].why == "the AMX targets with buffers reused" and owed[0].command.startswith("python bench/gemm.py")
+    (bench / "planned.txt").write_text("a.json: python bench/gemm.py\n")
+    with pytest.raises(SystemExit, match=r"a\.json: no 'units:' line above it"):
+        pending_benchmarks(bench, "x")
+    with pytest.raises(SystemExit, match="none: no such folder"):
+        pending(tmp_path / "none", here="x")
+    # the command line prints the owed benchmark's command on a machine with its units, and not elsewhere
+    units = machine()["bf16_gemm"]
+    (bench / "planned.txt").write_text(f"units: {units}\nd.json: python bench/gemm.py --json d.json\n"
+                                       "units: no such units\ne.json: python bench/experts.py --json e.json\n")
+    (tmp_path / "v3").mkdir()
+    r = subprocess.run([sys.executable, "bench/pending.py", "--evidence", str(tmp_path / "v3"), "--bench",
+                        str(bench)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "\n  python bench/gemm.py --json d.json" in r.stdout, r.stdout
+    assert "  python bench/experts.py" not in r.stdout, r.stdout
