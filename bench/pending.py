@@ -254,9 +254,10 @@ def main() -> None:
     args = p.parse_args()
     from ds_nvfp4.envcheck import machine
 
-    here = machine_label({"machine": machine()})
+    this = machine()
+    here = machine_label({"machine": this})
     owed, stuck = pending(args.evidence, here)
-    benches = pending_benchmarks(args.bench, machine()["bf16_gemm"])
+    benches = pending_benchmarks(args.bench, this["bf16_gemm"])
     print(f"this machine: {here}")
     for b in benches:
         print(f"  {'HERE ' if b.here else 'other'}   bench  {b.output:<24} on a {b.units}: {b.why}")
