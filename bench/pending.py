@@ -21,9 +21,11 @@ output file is not kept yet, each owed on CPUs of the BF16 GEMM units its ``unit
 speed depends on the units, not on the CPU model), printed with its command where this machine has them.
 
 For each owed run it says whether this machine is of the required type and, where it is, prints the commands that
-copy the kept twin into a runs folder and train the run with bench/evidence.sh. A set whose newest report says
-pass or fail owes no new pairs (only the other halves of kept runs: every set is meant to reach 4 pairs); a set
-superseded by a larger one of the same recipe is not read.
+copy the kept twin into a runs folder and train the run with bench/evidence.sh; a run of that folder stopped
+before it finished (a session's end) with a checkpoint is named with the step the command resumes it from, or, if
+it started on another machine type, as one to delete (launch/train.py refuses to resume it). A set whose newest
+report says pass or fail owes no new pairs (only the other halves of kept runs: every set is meant to reach 4
+pairs); a set superseded by a larger one of the same recipe is not read.
 
     python bench/pending.py                   # every set under docs/evidence/v3
     python bench/pending.py --json pending.json
@@ -244,12 +246,31 @@ def pending_benchmarks(bench_dir: Path, here_units: str) -> list[OwedBench]:
     return owed
 
 
+def interrupted(run: Path, here: str) -> list[str]:
+    """What an interrupted run left in ``run`` (a runs folder of this working tree, not docs/evidence): nothing, or
+    the step bench/evidence.sh resumes it from (``ckpt/latest``, saved every CKPT steps), or, when its config.json
+    says it started on another machine type, that launch/train.py refuses to resume it and what to do."""
+    latest = run / "ckpt" / "latest"
+    if not latest.exists() or (run / "summary.json").exists():
+        return []
+    cfg = run / "config.json"
+    started = machine_label(json.loads(cfg.read_text())) if cfg.exists() else here
+    if started != here:
+        return [f"{run}: stopped at {latest.read_text().strip()} on {started}; launch/train.py refuses to resume it "
+                f"here (another machine type): delete {run} to train it afresh"]
+    return [f"{run}: its newest checkpoint is {latest.read_text().strip()} and it has not finished: unless it is "
+            "training now, the command below resumes it from there"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--evidence", type=Path, default=ROOT / "docs" / "evidence" / "v3",
                    help="the folder of kept seed sets, one subfolder per model (default: docs/evidence/v3)")
     p.add_argument("--bench", type=Path, default=ROOT / "docs" / "evidence" / "bench",
                    help="the folder of kept benchmark output and its planned.txt (default: docs/evidence/bench)")
+    p.add_argument("--runs", type=Path, default=Path("runs"),
+                   help="where the printed commands train (runs/pending_<folder>), and where a run interrupted "
+                        "before (its newest checkpoint kept) is found to be resumed (default: runs)")
     p.add_argument("--json", default=None, help="also write the owed runs here")
     args = p.parse_args()
     from ds_nvfp4.envcheck import machine
@@ -272,8 +293,10 @@ def main() -> None:
         if o.here:
             by_folder.setdefault(o.folder, []).append(o)
     for folder, runs in by_folder.items():
-        out = f"runs/pending_{folder}"
+        out = f"{args.runs}/pending_{folder}"
         print(f"\nto run here ({folder}), then keep each run (bench/keep_evidence.sh) and compare the set again:")
+        for line in (line for o in runs for line in interrupted(Path(out) / o.run, here)):
+            print(f"  ({line})")
         print(f"  mkdir -p {out}")
         for twin in dict.fromkeys(o.twin for o in runs if o.twin is not None):  # one copy per kept twin
             kept = (args.evidence / folder / twin).resolve()

@@ -35,6 +35,7 @@ from ds_nvfp4.envcheck import allocator_env, allocator_name, machine
 from ds_nvfp4.evaluation.data import prepare
 from ds_nvfp4.evaluation.gpt import AUX_LOSS_COEF, GPT, MOE_PRESETS, PRESETS, evaluate, get_batch, model_spec
 from ds_nvfp4.evaluation.protocol import PROTOCOLS, whole_split_batches
+from ds_nvfp4.evaluation.seedset import machine_label
 
 
 # -------------------------------------------------------------------------------------------------- main
@@ -66,6 +67,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--keep-ckpts", type=int, default=0,
                     help="keep only the newest K checkpoints in OUT/ckpt (0: keep all); long runs save often to resume")
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/ckpt")
+    ap.add_argument("--allow-machine-change", action="store_true",
+                    help="with --resume: continue a run that OUT/config.json says ran on another machine type "
+                         "(refused otherwise: its bits would come from two; config.json then lists both)")
     ap.add_argument("--final-eval", action="store_true",
                     help="train nothing: evaluate OUT/ckpt's latest checkpoint on --eval-batches held-out batches "
                          "(up to ~600 at --seq 256: the whole validation split) and write OUT/final_eval.json, "
@@ -167,9 +171,13 @@ def main() -> None:
         _teardown(engine)
     start = 0
     metrics_path = out / "metrics.jsonl"
+    machines = [{"from_step": 0, "machine": machine()}]
     if args.resume and (out / "ckpt" / "latest").exists():
+        machines = _machines_so_far(out, rank, args.allow_machine_change)
         _, client = engine.load_checkpoint(str(out / "ckpt"))
         start = int(client["step"])
+        if machines[-1]["machine"] != machine():
+            machines.append({"from_step": start, "machine": machine()})
         if rank == 0 and metrics_path.exists():  # drop lines past the checkpoint: they are recomputed
             kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= start]
             metrics_path.write_text("".join(ln + "\n" for ln in kept))
@@ -188,6 +196,8 @@ def main() -> None:
                     "kernel": state.selection.describe() if state else None, "torch": torch.__version__,
                     "deepspeed": deepspeed.__version__, "ds_nvfp4": ds_nvfp4.__version__,
                     "machine": machine(),  # runs on machines that differ here are not bit-identical
+                    # the machine of each part of a resumed run (one entry unless --allow-machine-change)
+                    "machines": machines,
                     # its speed, not its bits: wall times compare only across runs with the same (docs/benchmarks.md)
                     "allocator": {"name": allocator_name(), "env": allocator_env()}}
         (out / "config.json").write_text(json.dumps(resolved, indent=2))
@@ -271,6 +281,34 @@ def main() -> None:
         print(f"{args.out}: final val loss {rows[-1].get('val_loss', float('nan')):.4f} nats/byte, "
               f"{summary['tokens_per_s_median']:.0f} tokens/s", flush=True)
     _teardown(engine)
+
+
+def _machines_so_far(out: Path, rank: int, allow_change: bool) -> list[dict]:
+    """The machine of each part of the run resumed in ``out`` (its config.json ``machines``, or its one
+    ``machine``), read by rank 0 and broadcast; ``[{"from_step": int, "machine": envcheck.machine()}, ...]``.
+
+    A run's bits are the same on one machine type only (envcheck.machine), so a run started on one type and resumed
+    on another is neither type's run: refused on every rank (no rank left waiting in a collective) unless
+    ``allow_change``. A run directory without config.json (a checkpoint copied in) has no history: this machine."""
+    here = machine()
+    answer: list = [None]
+    if rank == 0:
+        cfg_path = out / "config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        history = cfg.get("machines") or ([{"from_step": 0, "machine": cfg["machine"]}] if cfg.get("machine")
+                                          else [{"from_step": 0, "machine": here}])
+        last = history[-1]["machine"]
+        if last != here and not allow_change:
+            answer[0] = (f"--resume: {cfg_path} says this run ran on {machine_label({'machine': last})} and this "
+                         f"is {machine_label({'machine': here})}: its bits would come from two machine types (their "
+                         "BF16 GEMMs round differently). Resume it on a machine of the first type, start it afresh "
+                         "(delete the folder), or pass --allow-machine-change (config.json then lists both)")
+        else:
+            answer[0] = history
+    torch.distributed.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], str):
+        raise SystemExit(answer[0])
+    return answer[0]
 
 
 def _final_eval(engine, out: Path, val_data: np.ndarray, batches: int, micro: int, seq: int, rank: int,

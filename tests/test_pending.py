@@ -71,6 +71,7 @@ def test_the_command_line_prints_what_to_run_on_this_machine(tmp_path: Path) -> 
     r = subprocess.run([sys.executable, "bench/pending.py", "--evidence", str(ev), "--json", str(tmp_path / "p.json")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    assert "newest checkpoint" not in r.stdout and "\n\n\n" not in r.stdout, r.stdout
     assert r.stdout.count(f"cp -r {ev / 'moe5m' / 'bf16_seed3'} runs/pending_moe5m/") == 1, r.stdout
     assert ('PROTOCOL=v3 MODEL=moe-5m OUT=runs/pending_moe5m RUNS="late15_seed3 nvfp4_zero3_seed3 bf16_seed4 '
             'nvfp4_zero3_seed4"'
@@ -167,3 +168,30 @@ def test_planned_benchmarks_are_owed_on_their_units_until_their_output_is_kept(t
     assert r.returncode == 0, r.stderr
     assert "\n  python bench/gemm.py --json d.json" in r.stdout, r.stdout
     assert "  python bench/experts.py" not in r.stdout, r.stdout
+
+
+def test_an_interrupted_run_of_this_working_tree_is_said_to_resume_or_not(tmp_path: Path) -> None:
+    """A run stopped with a checkpoint (a session's end) resumes from it when the tree survives; one started on
+    another machine type is not resumable here (launch/train.py refuses it) and the line says what to do."""
+    ev = _tree(tmp_path, machine())
+    out = tmp_path / "runs" / "pending_moe5m"
+    for run, where, done in (("late15_seed3", machine(), False), ("nvfp4_zero3_seed3", XEON, False),
+                             ("bf16_seed4", machine(), True), ("nvfp4_zero3_seed4", machine(), None)):
+        (out / run / "ckpt").mkdir(parents=True)
+        if done is None:
+            continue  # a folder without a checkpoint: nothing to resume
+        (out / run / "ckpt" / "latest").write_text("step300")
+        (out / run / "config.json").write_text(json.dumps({"machine": where}))
+        if done:
+            (out / run / "summary.json").write_text("{}")
+    r = subprocess.run([sys.executable, "bench/pending.py", "--evidence", str(ev), "--runs", str(tmp_path / "runs")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if "step300" in ln]
+    if machine() == XEON:  # the other run is of this type here: both resumable
+        pytest.skip("this machine is the test's other type")
+    assert len(lines) == 2, r.stdout
+    assert f"{out / 'late15_seed3'}: its newest checkpoint is step300 and it has not finished" in lines[0]
+    assert (f"{out / 'nvfp4_zero3_seed3'}: stopped at step300 on Intel(R) Xeon(R) Processor (CPU with AMX-BF16); "
+            "launch/train.py refuses" in lines[1] and f"delete {out / 'nvfp4_zero3_seed3'}" in lines[1]), lines
+    assert f"OUT={tmp_path / 'runs'}/pending_moe5m RUNS=" in r.stdout

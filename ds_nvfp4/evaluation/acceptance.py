@@ -154,6 +154,14 @@ def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01,
     rep.machines, machine_note = _machines(ca.get("machine"), cb.get("machine"))
     if machine_note:
         rep.notes.append(machine_note)
+    for who, c in (("baseline", ca), ("candidate", cb)):
+        parts = c.get("machines") or []
+        if len(parts) > 1:  # resumed on another type (launch/train.py --allow-machine-change)
+            rep.machines = "different machines"
+            rep.notes.append(f"the {who} run changed machine type when it was resumed ("
+                             + "; ".join(f"from step {q['from_step']}: {q['machine'].get('name')} "
+                                         f"({q['machine'].get('bf16_gemm')})" for q in parts)
+                             + "): its trajectory mixes two types' bits, so it is not a same-machine run")
     ea = {r["step"]: r for r in ra if "val_loss" in r}
     eb = {r["step"]: r for r in rb if "val_loss" in r}
     for step in sorted(set(ea) & set(eb)):

@@ -193,9 +193,17 @@ def compare_seed_sets(baselines: list[str], candidates: list[str], loss_gap: flo
 
 
 def machine_label(config: dict) -> str:
-    """A run's machine type as its config.json records it: "CPU model (BF16 GEMM units)", or "not recorded"."""
-    m = config.get("machine")
-    return f"{m.get('name', '?')} ({m.get('bf16_gemm', '?')})" if m else "not recorded"
+    """A run's machine type as its config.json records it: "CPU model (BF16 GEMM units)", or "not recorded"; a run
+    resumed on another type (launch/train.py --allow-machine-change: config.json "machines") names each part,
+    "A, then B from step N", so that it never reads as a run of one type."""
+    def one(m: dict | None) -> str:
+        return f"{m.get('name', '?')} ({m.get('bf16_gemm', '?')})" if m else "not recorded"
+
+    parts = config.get("machines") or []
+    if len(parts) > 1:
+        return one(parts[0]["machine"]) + "".join(f", then {one(p['machine'])} from step {p['from_step']}"
+                                                  for p in parts[1:])
+    return one(config.get("machine"))
 
 
 def _final_loss(run: Path) -> float:

@@ -325,3 +325,26 @@ def test_probes_of_different_settings_are_refused(tmp_path: Path) -> None:
     _write_probe(b, base, l2=0.1)
     r = run(str(a), str(b))
     assert r.returncode == 2 and "probe results differ in l2" in r.stderr
+
+
+def test_a_run_resumed_on_another_machine_type_is_not_a_same_machine_run(tmp_path: Path) -> None:
+    """launch/train.py --allow-machine-change records each part's machine (config.json "machines"): such a run is
+    reported as mixing two types, even when its last part ran where its partner did."""
+    from ds_nvfp4.evaluation.seedset import machine_label
+
+    amd = {"device": "cpu", "name": "AMD EPYC", "bf16_gemm": "CPU with AVX512-BF16"}
+    a = make_run(tmp_path / "bf16", BASE)
+    b = make_run(tmp_path / "nvfp4", [v * 1.002 for v in BASE], nvfp4=True)
+    cfg = json.loads((b / "config.json").read_text())
+    cfg["machines"] = [{"from_step": 0, "machine": amd}, {"from_step": 400, "machine": MACHINE}]
+    (b / "config.json").write_text(json.dumps(cfg))
+    assert run(str(a), str(b)).returncode == 0
+    rep = json.loads((b / "report.json").read_text())
+    [note] = [n for n in rep["notes"] if "resumed" in n]
+    assert "the candidate run changed machine type" in note and "from step 0: AMD EPYC" in note, note
+    assert "from step 400: Intel(R) Xeon(R) Platinum 8481C" in note, note
+    assert "ratio (NVFP4 / BF16, different machines)" in (b / "report.md").read_text()
+    assert machine_label(cfg) == ("AMD EPYC (CPU with AVX512-BF16), then Intel(R) Xeon(R) Platinum 8481C CPU @ "
+                                  "2.70GHz (CPU with AMX-BF16) from step 400")
+    assert machine_label({"machine": amd, "machines": [{"from_step": 0, "machine": amd}]}) == \
+        "AMD EPYC (CPU with AVX512-BF16)"

@@ -105,6 +105,22 @@ def test_run_directory_and_resume(data: Path, tmp_path: Path) -> None:
     resumed = train(data, fresh, preset, extra=("--resume",))
     assert [r["step"] for r in resumed] == [5, 6, 7, 8]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:]]
+    # a run that config.json says ran on another machine type is not resumed here (its bits would come from two
+    # types) unless asked, on every rank (none left in a collective); allowed, config.json lists each part's machine
+    assert json.loads((fresh / "config.json").read_text())["machines"] == [{"from_step": 0, "machine": machine()}]
+    other = {"device": "cpu", "name": "Another CPU", "bf16_gemm": "CPU without BF16 GEMM units"}
+    old = json.loads((fresh / "config.json").read_text())
+    del old["machines"]  # as config.json was before it recorded "machines"
+    (fresh / "config.json").write_text(json.dumps({**old, "machine": other}))
+    (fresh / "ckpt" / "latest").write_text("step4")
+    with pytest.raises(AssertionError, match=r"ran on Another CPU \(CPU without BF16 GEMM units\) and this is .*"
+                                             r"its bits would come from two machine types"):
+        train(data, fresh, preset, extra=("--resume",))
+    assert (fresh / "ckpt" / "latest").read_text() == "step4"  # nothing trained or saved
+    moved = train(data, fresh, preset, extra=("--resume", "--allow-machine-change"))
+    assert [r["loss"] for r in moved] == [r["loss"] for r in full[4:]]
+    assert json.loads((fresh / "config.json").read_text())["machines"] == [
+        {"from_step": 0, "machine": other}, {"from_step": 4, "machine": machine()}]
     # --final-eval: the latest checkpoint evaluated again, on the training's windows bit for bit (weights and
     # precision phase from the checkpoint), then on twice as many; the run's own files stay as they were
     before = {n: (run / n).read_bytes() for n in ("config.json", "metrics.jsonl", "summary.json")}
