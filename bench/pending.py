@@ -253,13 +253,13 @@ def interrupted(run: Path, here: str) -> list[str]:
     latest = run / "ckpt" / "latest"
     if not latest.exists() or (run / "summary.json").exists():
         return []
-    cfg = run / "config.json"
+    cfg, tag = run / "config.json", latest.read_text().strip()
     started = machine_label(json.loads(cfg.read_text())) if cfg.exists() else here
     if started != here:
-        return [f"{run}: stopped at {latest.read_text().strip()} on {started}; launch/train.py refuses to resume it "
-                f"here (another machine type): delete {run} to train it afresh"]
-    return [f"{run}: its newest checkpoint is {latest.read_text().strip()} and it has not finished: unless it is "
-            "training now, the command below resumes it from there"]
+        return [f"{run}: stopped at {tag} on {started}; launch/train.py refuses to resume it here (another machine "
+                f"type): delete {run} to train it afresh"]
+    return [f"{run}: its newest checkpoint is {tag} and it has not finished: unless it is training now, the command "
+            "below resumes it from there"]
 
 
 def main() -> None:

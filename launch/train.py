@@ -32,10 +32,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import ds_nvfp4
 from ds_nvfp4.envcheck import allocator_env, allocator_name, machine
+from ds_nvfp4.evaluation.acceptance import machine_name
 from ds_nvfp4.evaluation.data import prepare
 from ds_nvfp4.evaluation.gpt import AUX_LOSS_COEF, GPT, MOE_PRESETS, PRESETS, evaluate, get_batch, model_spec
 from ds_nvfp4.evaluation.protocol import PROTOCOLS, whole_split_batches
-from ds_nvfp4.evaluation.seedset import machine_label
 
 
 # -------------------------------------------------------------------------------------------------- main
@@ -171,13 +171,14 @@ def main() -> None:
         _teardown(engine)
     start = 0
     metrics_path = out / "metrics.jsonl"
-    machines = [{"from_step": 0, "machine": machine()}]
+    here = machine()
+    machines = [{"from_step": 0, "machine": here}]
     if args.resume and (out / "ckpt" / "latest").exists():
-        machines = _machines_so_far(out, rank, args.allow_machine_change)
+        machines = _machines_so_far(out, rank, here, args.allow_machine_change)
         _, client = engine.load_checkpoint(str(out / "ckpt"))
         start = int(client["step"])
-        if machines[-1]["machine"] != machine():
-            machines.append({"from_step": start, "machine": machine()})
+        if machines[-1]["machine"] != here:
+            machines.append({"from_step": start, "machine": here})
         if rank == 0 and metrics_path.exists():  # drop lines past the checkpoint: they are recomputed
             kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= start]
             metrics_path.write_text("".join(ln + "\n" for ln in kept))
@@ -195,7 +196,7 @@ def main() -> None:
                     "data": meta, "precision": state.precision.model_dump() if state else None,
                     "kernel": state.selection.describe() if state else None, "torch": torch.__version__,
                     "deepspeed": deepspeed.__version__, "ds_nvfp4": ds_nvfp4.__version__,
-                    "machine": machine(),  # runs on machines that differ here are not bit-identical
+                    "machine": here,  # runs on machines that differ here are not bit-identical
                     # the machine of each part of a resumed run (one entry unless --allow-machine-change)
                     "machines": machines,
                     # its speed, not its bits: wall times compare only across runs with the same (docs/benchmarks.md)
@@ -283,14 +284,13 @@ def main() -> None:
     _teardown(engine)
 
 
-def _machines_so_far(out: Path, rank: int, allow_change: bool) -> list[dict]:
+def _machines_so_far(out: Path, rank: int, here: dict, allow_change: bool) -> list[dict]:
     """The machine of each part of the run resumed in ``out`` (its config.json ``machines``, or its one
     ``machine``), read by rank 0 and broadcast; ``[{"from_step": int, "machine": envcheck.machine()}, ...]``.
 
     A run's bits are the same on one machine type only (envcheck.machine), so a run started on one type and resumed
     on another is neither type's run: refused on every rank (no rank left waiting in a collective) unless
-    ``allow_change``. A run directory without config.json (a checkpoint copied in) has no history: this machine."""
-    here = machine()
+    ``allow_change``. A run directory without config.json (a checkpoint copied in) has no history: ``here``."""
     answer: list = [None]
     if rank == 0:
         cfg_path = out / "config.json"
@@ -299,8 +299,8 @@ def _machines_so_far(out: Path, rank: int, allow_change: bool) -> list[dict]:
                                           else [{"from_step": 0, "machine": here}])
         last = history[-1]["machine"]
         if last != here and not allow_change:
-            answer[0] = (f"--resume: {cfg_path} says this run ran on {machine_label({'machine': last})} and this "
-                         f"is {machine_label({'machine': here})}: its bits would come from two machine types (their "
+            answer[0] = (f"--resume: {cfg_path} says this run ran on {machine_name(last)} and this "
+                         f"is {machine_name(here)}: its bits would come from two machine types (their "
                          "BF16 GEMMs round differently). Resume it on a machine of the first type, start it afresh "
                          "(delete the folder), or pass --allow-machine-change (config.json then lists both)")
         else:

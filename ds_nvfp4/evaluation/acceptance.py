@@ -90,6 +90,11 @@ def _check_comparable(a: dict, b: dict, sa: dict, sb: dict, seeds_may_differ: bo
                                f"precision{hint}")
 
 
+def machine_name(m: dict | None) -> str:
+    """One config.json ``machine`` entry as "CPU model (BF16 GEMM units)", or "not recorded"."""
+    return f"{m.get('name', '?')} ({m.get('bf16_gemm', '?')})" if m else "not recorded"
+
+
 def _machines(a: dict | None, b: dict | None) -> tuple[str, str | None]:
     """Where the runs ran, by their config.json "machine" (device, name, BF16 GEMM units): the label of the speed
     ratio ("same machine", "different machines", "machine not recorded") and a note when the two differ or one is
@@ -159,8 +164,7 @@ def compare(baseline: str | Path, candidate: str | Path, loss_gap: float = 0.01,
         if len(parts) > 1:  # resumed on another type (launch/train.py --allow-machine-change)
             rep.machines = "different machines"
             rep.notes.append(f"the {who} run changed machine type when it was resumed ("
-                             + "; ".join(f"from step {q['from_step']}: {q['machine'].get('name')} "
-                                         f"({q['machine'].get('bf16_gemm')})" for q in parts)
+                             + "; ".join(f"from step {q['from_step']}: {machine_name(q['machine'])}" for q in parts)
                              + "): its trajectory mixes two types' bits, so it is not a same-machine run")
     ea = {r["step"]: r for r in ra if "val_loss" in r}
     eb = {r["step"]: r for r in rb if "val_loss" in r}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .acceptance import CompareError, compare
+from .acceptance import CompareError, compare, machine_name
 from .run_files import read_rows
 
 #: two-sided 95% quantiles of Student's t, df = 1 .. 30 (beyond: 1.96 + 2.4/df, within 0.002 of the exact value)
@@ -196,14 +196,11 @@ def machine_label(config: dict) -> str:
     """A run's machine type as its config.json records it: "CPU model (BF16 GEMM units)", or "not recorded"; a run
     resumed on another type (launch/train.py --allow-machine-change: config.json "machines") names each part,
     "A, then B from step N", so that it never reads as a run of one type."""
-    def one(m: dict | None) -> str:
-        return f"{m.get('name', '?')} ({m.get('bf16_gemm', '?')})" if m else "not recorded"
-
     parts = config.get("machines") or []
     if len(parts) > 1:
-        return one(parts[0]["machine"]) + "".join(f", then {one(p['machine'])} from step {p['from_step']}"
-                                                  for p in parts[1:])
-    return one(config.get("machine"))
+        return machine_name(parts[0]["machine"]) + "".join(
+            f", then {machine_name(p['machine'])} from step {p['from_step']}" for p in parts[1:])
+    return machine_name(config.get("machine"))
 
 
 def _final_loss(run: Path) -> float:
